@@ -84,7 +84,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, size
                         tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norm gains and biases so parity tests exercise them
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -92,7 +92,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, size
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn_like(p))
     model = model.to(getattr(torch, dtype))
-    model.config.torch_dtype = dtype
+    model.config.dtype = dtype
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
