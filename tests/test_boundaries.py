@@ -1,0 +1,52 @@
+"""Module boundaries from docs/architecture.md, checked on the source (no imports executed).
+
+learner_jax/, tis/ and tasks/ never import torch, vLLM or SGLang; engines/ never imports JAX or Flax;
+library code never imports gin (only the entry points train.py, evaluate.py, gin_utils.py do).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "portable_rl"
+TORCH_WORLD = {"torch", "vllm", "sglang", "transformers"}
+JAX_WORLD = {"jax", "jaxlib", "flax", "optax", "orbax"}
+GIN_ENTRY_POINTS = {"train.py", "evaluate.py", "gin_utils.py", "warmstart.py"}
+
+
+def imported_top_level_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def package_files(subpackage: str) -> list[pathlib.Path]:
+    return sorted((PKG / subpackage).rglob("*.py"))
+
+
+@pytest.mark.parametrize("subpackage", ["learner_jax", "tis", "tasks"])
+def test_jax_side_never_imports_torch_world(subpackage):
+    files = package_files(subpackage)
+    assert files, f"portable_rl/{subpackage} has no python files"
+    offenders = {str(f.relative_to(PKG)): imported_top_level_modules(f) & TORCH_WORLD for f in files}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_engines_never_import_jax_world():
+    files = package_files("engines")
+    assert files, "portable_rl/engines has no python files"
+    offenders = {str(f.relative_to(PKG)): imported_top_level_modules(f) & JAX_WORLD for f in files}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_library_code_is_gin_free():
+    offenders = [str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
+                 if f.name not in GIN_ENTRY_POINTS or f.parent != PKG
+                 if "gin" in imported_top_level_modules(f)]
+    assert not offenders, f"library modules import gin: {offenders}"
