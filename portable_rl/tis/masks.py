@@ -1,0 +1,118 @@
+"""Rejection masks: 1 = keep the token, 0 = drop it (always 0 on padding). `[B, T]` float32.
+
+With log ρ_t = log π_train − log π_rollout, ρ_t = exp(clip(log ρ_t, ±20)):
+
+    IcePop token mask      keep t   iff  lo ≤ ρ_t ≤ hi
+    geometric seq. mask    keep seq iff  lo ≤ exp(mean_t log ρ_t) ≤ hi
+    product seq. mask      keep seq iff  lo ≤ exp(Σ_t log ρ_t) ≤ hi
+    outlier veto           keep seq iff  every valid token has lo ≤ ρ_t ≤ hi
+    divergence mask        keep iff  lo ≤ agg(k_t) ≤ hi, with the per-token statistics
+                               k1 = −log ρ,  k2 = ½ (log ρ)²,  k3 = ρ − 1 − log ρ
+                           and agg ∈ {token (no aggregation), seq_sum, seq_mean, seq_max}.
+
+A bound of `None` means "no bound on that side". Bounds are inclusive. Thresholds for k1 are in
+k1 units (−log ρ); verl's ratio-style k1 bounds [a, b] are k1 bounds [−log b, −log a].
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from portable_rl.tis.ratios import (SAFETY_BOUND, as_mask, broadcast_to_tokens, clean_log_ratio,
+                                    safe_exp, seq_max, seq_mean, seq_sum)
+
+ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
+
+
+def check_bounds(low, high, what: str) -> None:
+    """Raise a one-line error for an inverted or negative-ratio [low, high] (Python floats only)."""
+    if low is not None and high is not None and float(low) > float(high):
+        raise ValueError(f"{what}: lower bound {low} > upper bound {high}; swap them")
+
+
+def _in_bounds(values, low, high):
+    keep = jnp.ones(values.shape, bool)
+    if low is not None:
+        keep = keep & (values >= low)
+    if high is not None:
+        keep = keep & (values <= high)
+    return keep
+
+
+def _token_mask(keep_bt, response_mask):
+    return (keep_bt & as_mask(response_mask)).astype(jnp.float32)
+
+
+def _seq_mask(keep_b, response_mask):
+    return broadcast_to_tokens(keep_b.astype(jnp.float32), response_mask)
+
+
+def icepop_token_mask(log_ratio, response_mask, low=0.5, high=5.0) -> jnp.ndarray:
+    """Keep tokens with low ≤ ρ_t ≤ high (IcePop). `[B, T]` float32."""
+    check_bounds(low, high, "icepop_token_mask")
+    log_ratio = clean_log_ratio(log_ratio, response_mask)
+    return _token_mask(_in_bounds(safe_exp(log_ratio), low, high), response_mask)
+
+
+def geometric_sequence_mask(log_ratio, response_mask, low=None, high=None) -> jnp.ndarray:
+    """Keep whole sequences with low ≤ exp(mean_t log ρ_t) ≤ high. `[B, T]` float32."""
+    check_bounds(low, high, "geometric_sequence_mask")
+    log_ratio = clean_log_ratio(log_ratio, response_mask)
+    geo = safe_exp(seq_mean(log_ratio, response_mask))  # [B]
+    return _seq_mask(_in_bounds(geo, low, high), response_mask)
+
+
+def product_sequence_mask(log_ratio, response_mask, low=None, high=None) -> jnp.ndarray:
+    """Keep whole sequences with low ≤ Π_t ρ_t ≤ high. `[B, T]` float32."""
+    check_bounds(low, high, "product_sequence_mask")
+    log_ratio = clean_log_ratio(log_ratio, response_mask)
+    prod = safe_exp(seq_sum(log_ratio, response_mask))  # [B]
+    return _seq_mask(_in_bounds(prod, low, high), response_mask)
+
+
+def outlier_veto_mask(log_ratio, response_mask, low=None, high=None) -> jnp.ndarray:
+    """Drop a whole sequence if any valid token has ρ_t outside [low, high]. `[B, T]` float32."""
+    check_bounds(low, high, "outlier_veto_mask")
+    mask = as_mask(response_mask)
+    log_ratio = clean_log_ratio(log_ratio, mask)
+    token_ok = _in_bounds(safe_exp(log_ratio), low, high) | ~mask  # padding never vetoes
+    return _seq_mask(token_ok.all(axis=-1), mask)
+
+
+def divergence_statistic(log_ratio, estimator: str) -> jnp.ndarray:
+    """Per-token k1 / k2 / k3 of a (clean) log-ratio, clamped to ±20 first. Same shape."""
+    lr = jnp.clip(jnp.asarray(log_ratio, jnp.float32), -SAFETY_BOUND, SAFETY_BOUND)
+    if estimator == "k1":
+        return -lr
+    if estimator == "k2":
+        return 0.5 * jnp.square(lr)
+    if estimator == "k3":
+        return jnp.exp(lr) - 1.0 - lr
+    raise ValueError(f"unknown divergence estimator {estimator!r}; use one of {ESTIMATORS}")
+
+
+def divergence_mask(log_ratio, response_mask, estimator: str = "k3", aggregation: str = "seq_mean",
+                    low=None, high=None) -> jnp.ndarray:
+    """Keep where low ≤ agg_t k(log ρ_t) ≤ high (verl's `rollout_rs=<aggregation>_<estimator>`).
+
+    aggregation="token" masks single tokens; the seq_* aggregations keep or drop whole sequences.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown divergence aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+    check_bounds(low, high, f"divergence_mask({aggregation}_{estimator})")
+    log_ratio = clean_log_ratio(log_ratio, response_mask)
+    stat = divergence_statistic(log_ratio, estimator)  # [B, T]
+    if aggregation == "token":
+        return _token_mask(_in_bounds(stat, low, high), response_mask)
+    reduce = {"seq_sum": seq_sum, "seq_mean": seq_mean, "seq_max": seq_max}[aggregation]
+    return _seq_mask(_in_bounds(reduce(stat, response_mask), low, high), response_mask)
+
+
+def parse_divergence(name: str) -> tuple[str, str]:
+    """'seq_mean_k3' → ('k3', 'seq_mean'); a clear error for anything else."""
+    aggregation, _, estimator = name.rpartition("_")
+    if aggregation not in AGGREGATIONS or estimator not in ESTIMATORS:
+        options = [f"{a}_{e}" for a in AGGREGATIONS for e in ESTIMATORS]
+        raise ValueError(f"unknown divergence mask {name!r}; use one of {options}")
+    return estimator, aggregation
