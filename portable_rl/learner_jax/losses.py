@@ -1,0 +1,140 @@
+"""Clip-higher PPO policy loss (DAPO / GRPO) with rollout correction and four aggregation modes.
+
+Per token t of a response, with advantage A (per sequence or per token) and
+r_t = exp(log π_θ(y_t) − log π_old(y_t))  (log difference clamped to ±20 before the exp):
+
+    l1_t = −A · r_t
+    l2_t = −A · clip(r_t, 1 − ε_low, 1 + ε_high)             DAPO "clip-higher": ε_low=0.2, ε_high=0.28
+    l_t  = max(l1_t, l2_t)                                   the pessimistic PPO surrogate
+    dual clip (c > 1, only where A < 0):  l_t = min(l_t, −A · c)      (Ye et al. 2020, c = 3)
+    correction:  l_t ← w_t · l_t                             w_t = stop_gradient TIS weight
+
+Two ways to use rollout logprobs (π_rollout, from the engine):
+    mode="decoupled": π_old is the learner's recomputation of the behaviour policy; the rollout
+        mismatch is corrected by `correction_weights` (e.g. from `tis.apply_rollout_correction`).
+    mode="bypass":    π_old := π_rollout, so the PPO ratio itself is π_θ / π_rollout (no recompute).
+        `correction_weights` still multiply if given (usually None; rejection goes in the mask).
+
+Aggregation of l_t over the response mask m (B sequences, T positions):
+    token-mean               Σ_bt m l / Σ_bt m                                   (DAPO)
+    seq-mean-token-sum       mean_b Σ_t m l           (over sequences with ≥ 1 token)
+    seq-mean-token-mean      mean_b (Σ_t m l / Σ_t m) (over sequences with ≥ 1 token)   (GRPO)
+    seq-mean-token-sum-norm  Σ_bt m l / (B · L)       L = norm_constant, default T; keep L fixed
+                             across steps (e.g. the max response length)            (Dr. GRPO)
+
+Rejected tokens (a `keep_mask` from the correction) belong in `response_mask`: pass
+`response_mask * keep_mask` so they also leave the denominators.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODES = ("decoupled", "bypass")
+_LOG_RATIO_BOUND = 20.0
+
+
+def _masked_mean(values, mask):
+    return jnp.where(mask, values, 0.0).sum() / jnp.maximum(mask.sum().astype(jnp.float32), 1.0)
+
+
+def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm_constant=None):
+    """Reduce a per-token loss `[B, T]` to a scalar with one of `AGGREGATIONS` (see module doc)."""
+    mask = jnp.asarray(response_mask) > 0  # [B, T]
+    loss_bt = jnp.where(mask, jnp.asarray(loss_bt, jnp.float32), 0.0)
+    tokens_per_seq = mask.sum(axis=-1).astype(jnp.float32)  # [B]
+    has_tokens = tokens_per_seq > 0
+    if aggregation == "token-mean":
+        return loss_bt.sum() / jnp.maximum(tokens_per_seq.sum(), 1.0)
+    if aggregation == "seq-mean-token-sum":
+        return _masked_mean(loss_bt.sum(axis=-1), has_tokens)
+    if aggregation == "seq-mean-token-mean":
+        return _masked_mean(loss_bt.sum(axis=-1) / jnp.maximum(tokens_per_seq, 1.0), has_tokens)
+    if aggregation == "seq-mean-token-sum-norm":
+        norm = loss_bt.shape[-1] if norm_constant is None else norm_constant
+        return loss_bt.sum() / (loss_bt.shape[0] * norm)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+
+
+def _token_advantages(advantages, shape):
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 1 and adv.shape[0] == shape[0]:
+        return jnp.broadcast_to(adv[:, None], shape)  # per-sequence → every token
+    if adv.shape == tuple(shape):
+        return adv
+    raise ValueError(f"advantages must be [batch] or [batch, seq] = {tuple(shape)}, got {adv.shape}")
+
+
+def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollout_logprobs=None,
+                correction_weights=None, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
+                dual_clip_c=None, aggregation: str = "token-mean", norm_constant=None,
+                mode: str = "decoupled"):
+    """PPO-clip surrogate → (scalar loss, metrics dict of scalars).
+
+    Shapes: logprobs and `response_mask` `[B, T]`; `advantages` `[B]` (one per sequence, broadcast
+    to its tokens) or `[B, T]`; `correction_weights` `[B, T]` or None. `old_logprobs` is ignored in
+    bypass mode (may be None). Gradients flow only through `new_logprobs`.
+
+    Metrics: clip_frac (tokens where the clipped branch is taken), clip_frac_low / clip_frac_high
+    (r below 1−ε_low with A < 0 / above 1+ε_high with A > 0), dual_clip_frac, approx_kl
+    (mean(log π_old − log π_θ), k1), approx_kl_k3 (mean(r − 1 − log r)), ratio_mean, ratio_max,
+    correction_weight_mean; all over valid tokens.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown policy-loss mode {mode!r}; use one of {MODES}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+    if not (clip_eps_low >= 0 and clip_eps_high >= 0):
+        raise ValueError(f"clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}")
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (DAPO/verl use 3.0), got {dual_clip_c}")
+    if mode == "bypass":
+        if rollout_logprobs is None:
+            raise ValueError("mode='bypass' uses rollout_logprobs as the old policy; pass rollout_logprobs")
+        old_logprobs = rollout_logprobs
+    elif old_logprobs is None:
+        raise ValueError("mode='decoupled' needs old_logprobs (the learner's recomputed logprobs)")
+
+    mask = jnp.asarray(response_mask) > 0  # [B, T]
+    new = jnp.asarray(new_logprobs, jnp.float32)
+    old = jax.lax.stop_gradient(jnp.asarray(old_logprobs, jnp.float32))
+    adv = jax.lax.stop_gradient(_token_advantages(advantages, new.shape))  # [B, T]
+    # Padding may hold anything (even NaN/-inf); zero it before any arithmetic.
+    log_ratio = jnp.where(mask, jnp.clip(new - old, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND), 0.0)
+    adv = jnp.where(mask, adv, 0.0)
+    ratio = jnp.exp(log_ratio)  # [B, T]
+
+    loss1 = -adv * ratio
+    loss2 = -adv * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss_bt = jnp.maximum(loss1, loss2)
+    clipped = (loss2 > loss1) & mask
+    dual = jnp.zeros_like(mask)
+    if dual_clip_c is not None:
+        loss3 = -adv * dual_clip_c
+        dual = (adv < 0) & (loss3 < loss_bt) & mask
+        loss_bt = jnp.where(adv < 0, jnp.minimum(loss_bt, loss3), loss_bt)
+
+    weight = jnp.ones_like(loss_bt)
+    if correction_weights is not None:
+        weight = jax.lax.stop_gradient(jnp.asarray(correction_weights, jnp.float32))
+        if weight.shape != loss_bt.shape:
+            raise ValueError(f"correction_weights must be [batch, seq] = {loss_bt.shape}, got {weight.shape}")
+        weight = jnp.where(mask, weight, 0.0)
+        loss_bt = loss_bt * weight
+    loss = aggregate_loss(loss_bt, mask, aggregation, norm_constant)
+
+    f32 = jnp.float32
+    metrics = {
+        "clip_frac": _masked_mean(clipped.astype(f32), mask),
+        "clip_frac_low": _masked_mean(((ratio < 1.0 - clip_eps_low) & (adv < 0)).astype(f32), mask),
+        "clip_frac_high": _masked_mean(((ratio > 1.0 + clip_eps_high) & (adv > 0)).astype(f32), mask),
+        "dual_clip_frac": _masked_mean(dual.astype(f32), mask),
+        "approx_kl": jax.lax.stop_gradient(_masked_mean(-log_ratio, mask)),
+        "approx_kl_k3": jax.lax.stop_gradient(_masked_mean(ratio - 1.0 - log_ratio, mask)),
+        "ratio_mean": jax.lax.stop_gradient(_masked_mean(ratio, mask)),
+        "ratio_max": jax.lax.stop_gradient(jnp.where(mask.any(), jnp.where(mask, ratio, -jnp.inf).max(), 0.0)),
+        "correction_weight_mean": _masked_mean(weight, mask),
+    }
+    return loss, metrics
