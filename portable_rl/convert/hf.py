@@ -1,0 +1,218 @@
+"""Hugging Face checkpoints <-> the Flax NNX `Transformer`.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. Names follow `convert/mapping.py`; linear weights are transposed.
+
+`save_hf_model` writes config.json + safetensors into a temporary sibling directory and renames it
+into place, so a crash never leaves a half-written checkpoint. Tokenizer files are not copied
+(`copy_tokenizer_files` does that for callers that want it).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from portable_rl.convert.mapping import ParamMapping, param_mappings
+from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.model import Transformer
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+# Tensors some checkpoints carry that the model recomputes; skipped on load.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def _dtype_name(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    name = name.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported checkpoint dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return name
+
+
+def get_param(model: nnx.Module, path: tuple) -> nnx.Param:
+    """The `nnx.Param` at `path` (attribute names and list indices)."""
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
+
+
+# ---------------------------------------------------------------------------------------- load
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """HF name -> safetensors file holding it."""
+    if (path / SAFE_INDEX).exists():
+        weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    files = [path / SAFE_SINGLE] if (path / SAFE_SINGLE).exists() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; re-save the checkpoint with "
+                                f"transformers' save_pretrained(..., safe_serialization=True)")
+    from safetensors import safe_open
+    out = {}
+    for f in files:
+        with safe_open(f, framework="flax") as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=None
+                  ) -> tuple[Transformer, ModelConfig]:
+    """Reads an HF checkpoint directory into a `Transformer` (params in `param_dtype`, default float32)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}; pass the directory of an HF checkpoint "
+                                f"(config.json + *.safetensors)")
+    config = ModelConfig.from_json_file(str(path / "config.json"))
+    param_dtype = jnp.dtype(param_dtype or jnp.float32)
+    compute_dtype = jnp.dtype(compute_dtype or jnp.bfloat16)
+    # Build the module skeleton without initialising random weights, then fill every param.
+    model = nnx.eval_shape(lambda: Transformer(config, param_dtype=param_dtype,
+                                               compute_dtype=compute_dtype, rngs=nnx.Rngs(0)))
+    mappings = {m.hf_name: m for m in param_mappings(config)}
+    files = _tensor_files(path)
+    missing = sorted(set(mappings) - set(files))
+    if missing:
+        raise KeyError(f"{path} lacks tensor {missing[0]!r} ({len(missing)} missing); the safetensors "
+                       f"do not match config.json (model_type={config.family}, "
+                       f"tie_word_embeddings={config.tie_word_embeddings})")
+    unexpected = sorted(n for n in set(files) - set(mappings)
+                        if not n.endswith(_IGNORED_SUFFIXES)
+                        and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    if unexpected:
+        raise KeyError(f"{path} has tensor {unexpected[0]!r} that {config.family} does not use "
+                       f"({len(unexpected)} unexpected); check model_type in config.json")
+    by_file: dict[Path, list[ParamMapping]] = {}
+    for name, m in mappings.items():
+        by_file.setdefault(files[name], []).append(m)
+    for fname, ms in by_file.items():
+        with safe_open(fname, framework="flax") as st:
+            for m in ms:
+                param = get_param(model, m.nnx_path)
+                value = st.get_tensor(m.hf_name)
+                if m.transpose:
+                    value = value.T
+                if value.shape != param.shape:
+                    raise ValueError(f"tensor {m.hf_name!r} has shape {tuple(value.shape)} in {fname.name} "
+                                     f"but config.json implies {tuple(param.shape)}; fix config.json")
+                param.set_value(value.astype(param_dtype))
+    return model, config
+
+
+# ---------------------------------------------------------------------------------------- export
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _cast(x, dtype, transpose):
+    """HF layout in the export dtype; the transpose is materialised (row-major) by XLA."""
+    x = x.astype(dtype)
+    return x.T if transpose else x
+
+
+def hf_arrays(model: Transformer, config: ModelConfig, dtype="bfloat16") -> Iterator[tuple[str, jax.Array]]:
+    """(HF name, JAX array in HF layout and `dtype`), lazily, one parameter at a time.
+
+    The single source of exported values: `save_hf_model` writes these and `to_torch` wraps them.
+    """
+    dtype = _DTYPES[_dtype_name(dtype)]
+    for m in param_mappings(config):
+        yield m.hf_name, _cast(get_param(model, m.nnx_path)[...], dtype, m.transpose)
+
+
+# ---------------------------------------------------------------------------------------- save
+def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Groups consecutive tensors into shards of at most `max_shard_bytes` (one tensor may exceed it)."""
+    shards, size = [[]], 0
+    for name, nbytes in sizes:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_hf_model(model: Transformer, config: ModelConfig, path: str | os.PathLike, *, dtype=None,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> str:
+    """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`) to `path`.
+
+    `dtype` defaults to the checkpoint's own dtype from config.json, else bfloat16.
+    Atomic: everything goes to a temporary sibling directory that is renamed to `path` at the end.
+    """
+    from safetensors.flax import save_file
+
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True or choose a new directory")
+    dtype = _dtype_name(dtype or config.torch_dtype or "bfloat16")
+    hf_config = config.to_hf_dict()
+    hf_config["dtype" if "dtype" in hf_config else "torch_dtype"] = dtype
+
+    itemsize = jnp.dtype(_DTYPES[dtype]).itemsize
+    sizes = [(m.hf_name, math.prod(get_param(model, m.nnx_path).shape) * itemsize)
+             for m in param_mappings(config)]
+    plan = _plan_shards(sizes, max_shard_bytes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        arrays = hf_arrays(model, config, dtype)  # lazy: one shard's arrays alive at a time
+        weight_map = {}
+        for k, names in enumerate(plan):
+            fname = SAFE_SINGLE if len(plan) == 1 else f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
+            shard = dict(itertools.islice(arrays, len(names)))
+            save_file(shard, tmp / fname, metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+            del shard
+        if len(plan) > 1:
+            index = {"metadata": {"total_size": sum(n for _, n in sizes)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(path)
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """Renames `tmp` to `path`; an existing `path` is moved aside first and removed afterwards."""
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rename(path, old / "d")
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copies the tokenizer files present in `src` into `dst`; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    if not copied:
+        raise FileNotFoundError(f"no tokenizer files in {src}; expected one of {', '.join(TOKENIZER_FILES)}")
+    return copied

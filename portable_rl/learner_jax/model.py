@@ -1,0 +1,168 @@
+"""Decoder-only transformer in Flax NNX covering Qwen2, Qwen3 and Llama 3 (HF numerics).
+
+  x_0     = embed[input_ids]
+  h       = x_l + o_proj(attn(rope(q_norm(W_q n(x_l))), rope(k_norm(W_k n(x_l))), W_v n(x_l)))
+  x_{l+1} = h + W_down(silu(W_gate n(h)) * W_up n(h))                     (SwiGLU)
+  logits  = final_norm(x_L) @ W_lm_head   (W_lm_head = embed^T when tied), float32
+
+n(.) is RMSNorm: x * rsqrt(mean(x^2) + eps) computed in float32, cast back, times a learned gain.
+RoPE uses HF's rotate_half convention: q' = q cos + rotate_half(q) sin, with the two halves of
+head_dim holding the same frequencies. Attention is causal and ignores padded keys; positions are
+cumsum(attention_mask) - 1, so left- and right-padded rows see the same positions as unpadded ones.
+
+Parameters are stored in `param_dtype` (default float32 master weights) and cast to `compute_dtype`
+(default bfloat16) for matmuls; attention softmax, norms and the logits are float32.
+Kernels are [in, out] (HF stores [out, in]; `convert/mapping.py` transposes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from portable_rl.learner_jax.config import ModelConfig
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm: normalise in float32, cast to the compute dtype, then multiply by the gain."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x):  # [..., dim]
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.compute_dtype) * y.astype(self.compute_dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jnp.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, with Llama-3 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if config.rope_type == "llama3":
+        s = config.rope_scaling
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = jnp.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):  # x [B, T, N, H], cos/sin [B, T, H]
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        c = config
+        d, h, n, k = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        linear = dict(dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+        self.q_proj = nnx.Linear(d, n * h, use_bias=c.qkv_bias, **linear)
+        self.k_proj = nnx.Linear(d, k * h, use_bias=c.qkv_bias, **linear)
+        self.v_proj = nnx.Linear(d, k * h, use_bias=c.qkv_bias, **linear)
+        self.o_proj = nnx.Linear(n * h, d, use_bias=c.o_proj_bias, **linear)
+        if c.qk_norm:
+            norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+            self.q_norm = RMSNorm(h, c.rms_norm_eps, **norm)
+            self.k_norm = RMSNorm(h, c.rms_norm_eps, **norm)
+        self.qk_norm = c.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+
+    def __call__(self, x, cos, sin, mask):  # x [B, T, D], mask [B, 1, T, T] bool
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # XLA attention: logits and softmax in float32, GQA by head grouping, rows with no
+        # visible key (left padding) get a finite uniform softmax instead of NaN.
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, T, N, H]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        linear = dict(use_bias=False, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+        self.gate_proj = nnx.Linear(d, f, **linear)
+        self.up_proj = nnx.Linear(d, f, **linear)
+        self.down_proj = nnx.Linear(f, d, **linear)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
+        self.attn = Attention(config, **dtypes, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
+        self.mlp = MLP(config, **dtypes, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.attn(self.input_norm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Transformer(nnx.Module):
+    """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`."""
+
+    def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.param_dtype, self.compute_dtype = jnp.dtype(param_dtype), jnp.dtype(compute_dtype)
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=compute_dtype,
+                               param_dtype=param_dtype, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(config, **dtypes, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False,
+                                      dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
+                                      kernel_init=nnx.initializers.normal(0.02))
+
+    def __call__(self, input_ids, attention_mask=None):
+        B, T = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((B, T), jnp.int32)
+        valid = attention_mask.astype(bool)                                    # [B, T]
+        positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)             # [B, T]
+        freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B, T, H/2]
+        angles = jnp.concatenate([freqs, freqs], axis=-1)                      # [B, T, H]
+        cos, sin = jnp.cos(angles).astype(self.compute_dtype), jnp.sin(angles).astype(self.compute_dtype)
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        mask = causal[None, None] & valid[:, None, None, :]                    # [B, 1, T, T]
+
+        x = self.embed(input_ids)                                              # [B, T, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        x = self.final_norm(x)
+        # Logits: compute-dtype inputs, float32 accumulation and output (no bf16 rounding of logits).
+        if self.config.tie_word_embeddings:
+            w = self.embed.embedding[...].astype(self.compute_dtype).T        # [D, V]
+        else:
+            w = self.lm_head.kernel[...].astype(self.compute_dtype)           # [D, V]
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)               # [B, T, V]
