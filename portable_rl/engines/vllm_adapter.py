@@ -1,0 +1,196 @@
+"""vLLM adapter: an in-process `vllm.LLM` behind `EngineAdapter`.
+
+Logprobs. vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the sampled
+token only). "processed" means after temperature scaling (and top-k/top-p, which `SamplingConfig` keeps off),
+so the returned value is exactly the learner's
+
+    log_softmax(logits / T)[sampled_token]      (float32)
+
+— the distribution the token was drawn from. The default "raw_logprobs" would give log_softmax(logits), the
+T=1 distribution, which is off by the temperature for any T != 1.
+
+Weight sync. `update_weights(pairs)` checks every `(hf_name, tensor)` against the checkpoint the engine was
+started from (names and shapes, read from the safetensors headers) before touching the engine, then makes ONE
+`collective_rpc` into `PortableRLWorkerExtension.portable_rl_reload_weights` (vLLM's layerwise reload; a
+quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
+were computed with the old weights.
+
+`engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
+`"fp8_per_block"` on GPU, `tensor_parallel_size`, `enable_sleep_mode`); they override the defaults here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import struct
+from typing import Any, Sequence
+
+from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
+                                      flatten_named_tensors)
+from portable_rl.engines.registry import register
+
+WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class WeightUpdateError(ValueError):
+    """Pushed weights do not fit the engine's model; nothing was loaded."""
+
+
+def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """{hf_name: shape} from the safetensors headers in `model_path` (reads only the headers)."""
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    shapes = {}
+    for name in files:
+        with open(os.path.join(model_path, name), "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for key, info in header.items():
+            if key != "__metadata__":
+                shapes[key] = tuple(info["shape"])
+    return shapes
+
+
+def check_named_tensors(pairs: list, expected: dict[str, tuple[int, ...]], optional: set[str]) -> None:
+    """Raises WeightUpdateError unless `pairs` covers `expected` exactly with matching shapes."""
+    names = [name for name, _ in pairs]
+    duplicates = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
+    unknown = sorted(set(names) - set(expected) - optional)
+    missing = sorted(set(expected) - set(names))
+    wrong_shape = [f"{n}: pushed {tuple(t.shape)}, engine has {expected[n]}"
+                   for n, t in pairs if n in expected and tuple(t.shape) != expected[n]]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unknown names (first: {unknown[:3]})")
+    if missing:
+        problems.append(f"{len(missing)} missing names (first: {missing[:3]})")
+    if wrong_shape:
+        problems.append(f"{len(wrong_shape)} shape mismatches (first: {wrong_shape[:3]})")
+    if duplicates:
+        problems.append(f"duplicate names {duplicates[:3]}")
+    if problems:
+        raise WeightUpdateError(
+            "weight update rejected, engine left unchanged: " + "; ".join(problems)
+            + ". Push every HF-named tensor of the model (check convert/mapping.py for this family).")
+
+
+@register("vllm")
+class VLLMEngine(EngineAdapter):
+    """In-process vLLM. Defaults suit the 2-core CPU box; on GPU pass `gpu_memory_utilization` etc."""
+
+    def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
+                 gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = True, dtype: str = "bfloat16", in_process: bool = True,
+                 validate_weights: bool = True):
+        if in_process:  # must be set before vLLM builds its engine core: tensors then pass by reference
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+
+        self.model_path = str(model_path)
+        kwargs: dict[str, Any] = dict(
+            model=self.model_path, seed=seed, enforce_eager=enforce_eager,
+            dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION)
+        if max_model_len is not None:  # default: the model's max_position_embeddings
+            kwargs["max_model_len"] = max_model_len
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if _on_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
+            # instead lets several engines and the learner share the box.
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        kwargs.update(engine_init_kwargs or {})
+        if kwargs["logprobs_mode"] != LOGPROBS_MODE:
+            raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}: rollout logprobs must be "
+                             f"{LOGPROBS_MODE!r} to equal the learner's log_softmax(logits/T)")
+        self.engine_init_kwargs = dict(kwargs)
+        self.quantization = kwargs.get("quantization")
+        self._validate = validate_weights
+        self._expected_shapes = read_checkpoint_shapes(self.model_path) if validate_weights else {}
+        with open(os.path.join(self.model_path, "config.json")) as f:
+            tied = json.load(f).get("tie_word_embeddings", False)
+        # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
+        self._optional_names = {"lm_head.weight"} if tied else set()
+        self._llm = vllm.LLM(**kwargs)
+
+    # ----------------------------------------------------------------------------------------- rollouts
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self._require_llm()
+        prompts = check_prompts(prompt_token_ids)
+        params = []
+        for i in range(len(prompts)):
+            # One seed range per prompt: vLLM gives the n children of a request seeds seed, seed+1, ...
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            params.append(SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
+                logprobs=0, detokenize=False))
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rollouts = []
+        for i, out in enumerate(outputs):  # vLLM returns outputs in input order
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(completion.token_ids)
+                logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
+                rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
+                                        response_logprobs=logprobs, finish_reason=completion.finish_reason))
+        return rollouts
+
+    # ----------------------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Full sync from `(hf_name, tensor)` pairs or buckets; one layerwise reload, then a prefix-cache reset."""
+        llm = self._require_llm()
+        pairs = list(flatten_named_tensors(named_tensors))  # zero-copy views stay views: only refs are held
+        if self._validate:
+            check_named_tensors(pairs, self._expected_shapes, self._optional_names)
+        llm.collective_rpc("portable_rl_reload_weights", kwargs={"weights": pairs})
+        llm.reset_prefix_cache()
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def sleep(self) -> None:
+        """Level-1 sleep (GPU: offloads weights, drops KV cache; needs `enable_sleep_mode=True`). CPU: no-op."""
+        self._require_llm().sleep(level=1)
+
+    def wake_up(self) -> None:
+        self._require_llm().wake_up()
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del llm, engine_core
+        gc.collect()
+        # In-process engines leave vLLM's process-global parallel state behind; the next LLM needs it gone.
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        gc.collect()
+
+    def _require_llm(self):
+        if self._llm is None:
+            raise RuntimeError("this VLLMEngine is closed; create a new one")
+        return self._llm
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass

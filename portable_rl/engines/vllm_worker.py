@@ -1,0 +1,33 @@
+"""vLLM worker extension: the weight-sync entry point inside each vLLM worker.
+
+vLLM mixes this class into its Worker (`LLM(worker_extension_cls=...)`), and the adapter reaches it with
+`llm.collective_rpc("portable_rl_reload_weights", kwargs=...)`. In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+the tensors arrive by reference, so nothing is copied before vLLM's own weight loaders run.
+
+`model_runner.reload_weights(weights_iterator, is_checkpoint_format=True)` is vLLM's layerwise reload:
+each layer is restored to its checkpoint-format parameters, the weight loaders fill it (fusing q/k/v and
+gate/up), and once a layer is complete its quantization method runs `process_weights_after_loading`, so an
+FP8 engine re-quantizes from the pushed bf16 weights and writes into its existing buffers. It must run
+ONCE per sync with every weight: calling it per bucket would finalize half-loaded layers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class PortableRLWorkerExtension:
+    """Methods added to every vLLM worker (`self` is the worker: it has `model_runner`, `vllm_config`)."""
+
+    def portable_rl_reload_weights(self, weights: Iterable) -> int:
+        """Loads checkpoint-format `(hf_name, tensor)` pairs with the layerwise reload; returns their count."""
+        from vllm.config import set_current_vllm_config
+
+        weights = list(weights)
+        with set_current_vllm_config(self.vllm_config):  # quantization configs read the current config
+            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return len(weights)
+
+    def portable_rl_quantization(self) -> str | None:
+        """The engine's quantization method name (None for unquantized), for logs and probe thresholds."""
+        return self.vllm_config.model_config.quantization
