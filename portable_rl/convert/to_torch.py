@@ -1,0 +1,50 @@
+"""Flax params -> (HF name, torch.Tensor) pairs for rollout engines, lazily and in bounded buckets.
+
+Each tensor is cast (and, for linear weights, transposed) on the JAX side into a fresh row-major
+array, then handed to torch with DLPack: no host copy, the torch tensor shares the JAX buffer
+(same device, same data pointer) and keeps it alive. The values are exactly what
+`convert.hf.save_hf_model` writes for the same dtype (both come from `hf.hf_arrays`).
+
+Memory: `iter_hf_tensors` materialises one tensor at a time; `bucketed` holds at most one bucket
+(`bucket_bytes`, or a single larger tensor) of them, so peak extra memory is about one bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from portable_rl.convert.hf import hf_arrays
+from portable_rl.learner_jax.config import ModelConfig
+
+
+def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, torch tensor in HF layout and `dtype`), one parameter at a time."""
+    for name, array in hf_arrays(model, config, dtype):
+        yield name, jax_to_torch(array)
+
+
+def jax_to_torch(array) -> torch.Tensor:
+    """Zero-copy view of a JAX array as a torch tensor (DLPack); the tensor keeps the buffer alive.
+
+    Do not donate `array` to a jitted function afterwards: that would free memory torch still reads.
+    """
+    return torch.from_dlpack(array)
+
+
+def bucketed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Groups consecutive pairs into lists of at most `bucket_bytes` (a larger tensor gets its own list)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in pairs:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,156 @@
+"""Training checkpoints with orbax: model params, optimizer state, step, RNG key and a JSON dict.
+
+Layout: `<dir>/<step>/{model, optimizer, meta}` written by `orbax.checkpoint.CheckpointManager` (which writes to
+a temporary directory and renames it), plus `<dir>/<step>/COMMITTED`, written by us only after
+orbax has finished. A step directory without `COMMITTED` (a crash mid-write, a partial copy) is
+never restored: `latest_step` skips it and opening a `Checkpointer` deletes it. Saving is
+synchronous so the marker always means "fully on disk". The newest `max_to_keep` steps are kept.
+
+    ckpt = Checkpointer(directory, max_to_keep=3)
+    ckpt.save(step, model, optimizer, extra={"data_cursor": 123}, rng=key)
+    restored = ckpt.restore(model, optimizer)        # updates model / optimizer in place
+    restored.step, restored.extra, restored.rng
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+COMMIT_MARKER = "COMMITTED"
+_log = logging.getLogger(__name__)
+
+
+def _step_dirs(directory: Path) -> dict[int, Path]:
+    if not directory.exists():
+        return {}
+    return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps under `directory` whose checkpoint finished writing, ascending."""
+    return sorted(s for s, p in _step_dirs(Path(directory)).items() if (p / COMMIT_MARKER).exists())
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest fully written step under `directory`, or None if there is none."""
+    steps = committed_steps(directory)
+    return steps[-1] if steps else None
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    extra: dict
+    rng: jax.Array | None
+
+
+class Checkpointer:
+    """Saves and restores (model params, optimizer state, step, rng, extra JSON) under `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for step, path in _step_dirs(self.directory).items():
+            if not (path / COMMIT_MARKER).exists():
+                _log.warning("removing incomplete checkpoint %s (no %s marker)", path, COMMIT_MARKER)
+                shutil.rmtree(path)
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                 enable_async_checkpointing=False))
+
+    def latest_step(self) -> int | None:
+        return latest_step(self.directory)
+
+    def all_steps(self) -> list[int]:
+        return committed_steps(self.directory)
+
+    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,
+             extra: dict | None = None, rng: jax.Array | None = None) -> None:
+        """Writes checkpoint `step` (blocking); `extra` must be JSON-serialisable."""
+        extra = dict(extra or {})
+        json.dumps(extra)  # fail before writing anything if it is not JSON
+        meta = {"extra": extra, "has_optimizer": optimizer is not None, "rng": _rng_to_json(rng)}
+        items = {"model": ocp.args.StandardSave(_str_keys(nnx.state(model, nnx.Param).to_pure_dict())),
+                 "meta": ocp.args.JsonSave(meta)}
+        if optimizer is not None:
+            items["optimizer"] = ocp.args.StandardSave(_str_keys(nnx.state(optimizer).to_pure_dict()))
+        self._manager.save(step, args=ocp.args.Composite(**items))
+        self._manager.wait_until_finished()
+        marker = self.directory / str(step) / COMMIT_MARKER
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step}) + "\n")
+        os.replace(tmp, marker)
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,
+                step: int | None = None) -> Restored:
+        """Loads `step` (default: the latest committed one) into `model` / `optimizer` in place."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            raise FileNotFoundError(f"no committed checkpoint {'' if step is None else step} in "
+                                    f"{self.directory}; train from scratch or pass an existing step")
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if optimizer is not None and not meta["has_optimizer"]:
+            raise ValueError(f"checkpoint {step} has no optimizer state; restore with optimizer=None")
+        modules = {"model": (model, nnx.Param)}
+        if optimizer is not None:
+            modules["optimizer"] = (optimizer, ...)
+        states = {name: nnx.state(module, what) for name, (module, what) in modules.items()}
+        targets = {name: state.to_pure_dict() for name, state in states.items()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            **{name: ocp.args.StandardRestore(_str_keys(t)) for name, t in targets.items()}))
+        for name, (module, _) in modules.items():
+            nnx.replace_by_pure_dict(states[name], _orig_keys(targets[name], restored[name]))
+            nnx.update(module, states[name])
+        return Restored(step=step, extra=meta["extra"], rng=_rng_from_json(meta["rng"]))
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _str_keys(tree):
+    """Orbax stores dict keys as strings; optimizer states have int keys (tuple positions)."""
+    if isinstance(tree, dict):
+        return {str(k): _str_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _orig_keys(like, restored):
+    """`restored` (string keys) with the keys of `like` (its original pure dict)."""
+    if isinstance(like, dict):
+        return {k: _orig_keys(v, restored[str(k)]) for k, v in like.items()}
+    return restored
+
+
+def _rng_to_json(rng) -> dict | None:
+    """A PRNG key (typed or raw uint32) as JSON: it is a handful of integers."""
+    if rng is None:
+        return None
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(rng) if typed else rng)
+    return {"typed": bool(typed), "impl": str(jax.random.key_impl(rng)) if typed else None,
+            "dtype": data.dtype.name, "data": data.tolist()}
+
+
+def _rng_from_json(info: dict | None):
+    if info is None:
+        return None
+    data = jax.numpy.asarray(np.asarray(info["data"], dtype=info["dtype"]))
+    return jax.random.wrap_key_data(data, impl=info["impl"]) if info["typed"] else data

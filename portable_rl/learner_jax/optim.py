@@ -1,0 +1,66 @@
+"""AdamW with global-norm clipping and a warmup + constant / cosine learning-rate schedule.
+
+    lr(s) = learning_rate * min(1, (s + 1) / warmup_steps) * decay(s)
+    decay(s) = 1                                              (constant)
+             = 0.5 * (1 + cos(pi * clip((s - warmup) / (total - warmup), 0, 1)))   (cosine, to 0)
+
+The first step already has a non-zero learning rate. Weight decay applies to matrices only
+(ndim >= 2), not to norm gains or biases. The whole chain is wrapped in `optax.inject_hyperparams`,
+so the learning rate used by the last update is readable with `current_learning_rate`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def make_schedule(learning_rate: float, warmup_steps: int = 0, total_steps: int | None = None,
+                  schedule: str = "constant") -> optax.Schedule:
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
+    if schedule == "cosine" and not total_steps:
+        raise ValueError("schedule='cosine' needs total_steps > 0")
+    warmup = max(int(warmup_steps), 0)
+
+    def lr(step):
+        step = jnp.asarray(step, jnp.float32)
+        factor = jnp.minimum(1.0, (step + 1.0) / max(warmup, 1))
+        if schedule == "cosine":
+            progress = jnp.clip((step - warmup) / max(total_steps - warmup, 1), 0.0, 1.0)
+            factor = factor * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+        return learning_rate * factor
+
+    return lr
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: int | None = None,
+                   schedule: str = "constant", weight_decay: float = 0.0, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0
+                   ) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule); `max_grad_norm=None` disables clipping."""
+
+    def chain(learning_rate):
+        clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+        return optax.chain(*clip, optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                                              weight_decay=weight_decay, mask=_decay_mask))
+
+    return optax.inject_hyperparams(chain)(
+        learning_rate=make_schedule(learning_rate, warmup_steps, total_steps, schedule))
+
+
+def current_learning_rate(opt_state):
+    """The learning rate of the last update, read from the `inject_hyperparams` state that
+    `make_optimizer` puts at the top of the optimizer state; None for other optimizers."""
+    hyperparams = getattr(opt_state, "hyperparams", None)
+    if not hyperparams or "learning_rate" not in hyperparams:
+        return None
+    lr = hyperparams["learning_rate"]
+    return lr[...] if hasattr(lr, "get_value") else lr

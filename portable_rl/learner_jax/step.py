@@ -1,0 +1,35 @@
+"""One optimizer step: grads of a user loss, an in-place `nnx.Optimizer` update, scalar metrics.
+
+    (loss, metrics), grads = value_and_grad(loss_fn)(model, batch)     grads w.r.t. nnx.Param
+    optimizer.update(model, grads)                                     clip + AdamW (optim.py)
+    metrics += {loss, grad_norm (before clipping), learning_rate (used by this update)}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import optax
+from flax import nnx
+
+from portable_rl.learner_jax.optim import current_learning_rate
+
+
+def make_train_step(loss_fn: Callable) -> Callable:
+    """`loss_fn(model, batch) -> (loss, metrics dict)`; returns jitted `fn(model, optimizer, batch) -> metrics`.
+
+    Create the optimizer with `nnx.Optimizer(model, make_optimizer(...), wrt=nnx.Param)`.
+    """
+
+    @nnx.jit
+    def train_step(model, optimizer: nnx.Optimizer, batch):
+        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
+        (loss, metrics), grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        lr = current_learning_rate(optimizer.opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        return metrics
+
+    return train_step
