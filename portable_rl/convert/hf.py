@@ -100,8 +100,8 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
                         if not n.endswith(_IGNORED_SUFFIXES)
                         and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unexpected:
-        raise KeyError(f"{path} has tensor {unexpected[0]!r} that {config.family} does not use "
-                       f"({len(unexpected)} unexpected); check model_type in config.json")
+        raise KeyError(f"{path} has tensor {unexpected[0]!r} that config.json does not describe "
+                       f"({len(unexpected)} unexpected); check model_type / num_hidden_layers in config.json")
     by_file: dict[Path, list[ParamMapping]] = {}
     for name, m in mappings.items():
         by_file.setdefault(files[name], []).append(m)
@@ -110,12 +110,11 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
             for m in ms:
                 param = get_param(model, m.nnx_path)
                 value = st.get_tensor(m.hf_name)
-                if m.transpose:
-                    value = value.T
-                if value.shape != param.shape:
+                hf_shape = tuple(reversed(param.shape)) if m.transpose else tuple(param.shape)
+                if tuple(value.shape) != hf_shape:
                     raise ValueError(f"tensor {m.hf_name!r} has shape {tuple(value.shape)} in {fname.name} "
-                                     f"but config.json implies {tuple(param.shape)}; fix config.json")
-                param.set_value(value.astype(param_dtype))
+                                     f"but config.json implies {hf_shape}; fix config.json")
+                param.set_value((value.T if m.transpose else value).astype(param_dtype))
     return model, config
 
 
