@@ -36,6 +36,11 @@ def test_token_tis_preset_matches_the_functional_api():
     np.testing.assert_allclose(w, token_tis_weights(np.log(RHO), MASK, 2.0), rtol=1e-6)
     np.testing.assert_array_equal(keep, MASK)
     assert m["clipped_frac"] == pytest.approx(1 / 9)  # only ρ=3 of 9 valid tokens exceeds C=2
+    kept = np.array([2.0, 0.5, 1.0, 0.25, 1.5, 1.0, 1.0, 1.0, 1.0])  # capped weights of the valid tokens
+    assert m["weight_mean"] == pytest.approx(kept.mean(), rel=1e-6)
+    assert m["weight_std"] == pytest.approx(kept.std(), rel=1e-5)
+    assert m["weight_min"] == pytest.approx(0.25) and m["weight_max"] == pytest.approx(2.0)
+    assert m["weight_ess"] == pytest.approx(kept.mean() ** 2 / (kept ** 2).mean(), rel=1e-5)
 
 
 def test_sequence_tis_with_override():

@@ -159,3 +159,22 @@ def test_bf16_inputs_give_the_fp32_answer_within_bf16_rounding(case):
     log_err = np.abs(np.log(np.where(mask > 0, np.asarray(w16), 1.0)) - np.log(np.where(mask > 0, np.asarray(w32), 1.0)))
     assert np.all(log_err <= rounding), (log_err - rounding).max()
     assert np.asarray(w16).dtype == np.float32 and np.asarray(k16).dtype == np.float32
+
+
+@SETTINGS
+@given(CASES)
+def test_self_normalised_weights_average_to_one_and_bounds_may_be_traced(case):
+    train, rollout, mask, _ = make_batch(case)
+    for mode in ("token", "sequence", "geometric"):
+        config = RolloutCorrectionConfig(mode=mode, clip=3.0, self_normalize=True, token_mask_low=0.3)
+        w, keep, m = apply_rollout_correction(config, train, rollout, mask)
+        if np.asarray(keep).any():
+            per_seq = mode != "token"
+            w, keep = np.asarray(w, np.float64), np.asarray(keep) > 0
+            mean = (np.array([w[b][keep[b]].mean() for b in range(w.shape[0]) if keep[b].any()]).mean()
+                    if per_seq else w[keep].mean())
+            assert abs(mean - 1.0) < 1e-5, (mode, mean)
+    # thresholds can be traced arguments of a jitted function
+    lr = train - rollout
+    traced = jax.jit(icepop_token_mask)(lr, mask, 0.5, 2.0)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(icepop_token_mask(lr, mask, 0.5, 2.0)))

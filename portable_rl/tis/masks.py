@@ -16,6 +16,8 @@ k1 units (−log ρ); verl's ratio-style k1 bounds [a, b] are k1 bounds [−log 
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 
 from portable_rl.tis.ratios import (SAFETY_BOUND, as_mask, broadcast_to_tokens, clean_log_ratio,
@@ -26,8 +28,10 @@ AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 
 def check_bounds(low, high, what: str) -> None:
-    """Raise a one-line error for an inverted or negative-ratio [low, high] (Python floats only)."""
-    if low is not None and high is not None and float(low) > float(high):
+    """Raise a one-line error for an inverted [low, high]. Only concrete Python/numpy numbers are
+    checked, so bounds may also be traced values inside `jax.jit`."""
+    concrete = isinstance(low, numbers.Real) and isinstance(high, numbers.Real)
+    if concrete and float(low) > float(high):
         raise ValueError(f"{what}: lower bound {low} > upper bound {high}; swap them")
 
 
