@@ -82,10 +82,10 @@ class Checkpointer:
         extra = dict(extra or {})
         json.dumps(extra)  # fail before writing anything if it is not JSON
         meta = {"extra": extra, "has_optimizer": optimizer is not None, "rng": _rng_to_json(rng)}
-        items = {"model": ocp.args.StandardSave(_str_keys(nnx.state(model, nnx.Param).to_pure_dict())),
+        items = {"model": ocp.args.StandardSave(_str_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param)))),
                  "meta": ocp.args.JsonSave(meta)}
         if optimizer is not None:
-            items["optimizer"] = ocp.args.StandardSave(_str_keys(nnx.state(optimizer).to_pure_dict()))
+            items["optimizer"] = ocp.args.StandardSave(_str_keys(nnx.to_pure_dict(nnx.state(optimizer))))
         self._manager.save(step, args=ocp.args.Composite(**items))
         self._manager.wait_until_finished()
         marker = self.directory / str(step) / COMMIT_MARKER
@@ -107,7 +107,7 @@ class Checkpointer:
         if optimizer is not None:
             modules["optimizer"] = (optimizer, ...)
         states = {name: nnx.state(module, what) for name, (module, what) in modules.items()}
-        targets = {name: state.to_pure_dict() for name, state in states.items()}
+        targets = {name: nnx.to_pure_dict(state) for name, state in states.items()}
         restored = self._manager.restore(step, args=ocp.args.Composite(
             **{name: ocp.args.StandardRestore(_str_keys(t)) for name, t in targets.items()}))
         for name, (module, _) in modules.items():

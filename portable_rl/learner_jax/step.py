@@ -26,7 +26,7 @@ def make_train_step(loss_fn: Callable) -> Callable:
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (loss, metrics), grads = grad_fn(model, batch)
         optimizer.update(model, grads)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         lr = current_learning_rate(optimizer.opt_state)
         if lr is not None:
             metrics["learning_rate"] = lr

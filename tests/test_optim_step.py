@@ -1,0 +1,92 @@
+"""Learning-rate schedules, AdamW + clipping composition, weight-decay mask, and the jitted train step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.logprobs import sequence_logprobs
+from portable_rl.learner_jax.model import Transformer
+from portable_rl.learner_jax.optim import make_optimizer, make_schedule
+from portable_rl.learner_jax.step import make_train_step
+
+TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, qk_norm=True)
+
+
+def test_constant_schedule_with_warmup():
+    lr = make_schedule(1e-3, warmup_steps=4, schedule="constant")
+    got = [float(lr(s)) for s in range(7)]
+    np.testing.assert_allclose(got, [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+    assert float(make_schedule(1e-3, warmup_steps=0)(0)) == pytest.approx(1e-3)
+
+
+def test_cosine_schedule_decays_to_zero():
+    lr = make_schedule(1.0, warmup_steps=2, total_steps=12, schedule="cosine")
+    assert float(lr(0)) == pytest.approx(0.5)
+    assert float(lr(2)) == pytest.approx(1.0)
+    assert float(lr(7)) == pytest.approx(0.5, abs=1e-6)   # halfway through the decay
+    assert float(lr(12)) == pytest.approx(0.0, abs=1e-7)
+    assert float(lr(100)) == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError, match="total_steps"):
+        make_schedule(1.0, schedule="cosine")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule(1.0, schedule="linear")
+
+
+def test_optimizer_is_clip_then_adamw():
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    grads = {"w": jnp.full((2, 3), 3.0), "b": jnp.full((3,), -4.0)}
+    ours = make_optimizer(learning_rate=0.1, weight_decay=0.01, max_grad_norm=1.0)
+    mask = {"w": True, "b": False}
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.01, mask=mask))
+    s1, s2 = ours.init(params), ref.init(params)
+    for _ in range(3):
+        u1, s1 = ours.update(grads, s1, params)
+        u2, s2 = ref.update(grads, s2, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), u1, u2)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    model = Transformer(TINY, rngs=nnx.Rngs(0))
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, make_optimizer(learning_rate=0.1, weight_decay=0.5), wrt=nnx.Param)
+    nnx.jit(lambda m, o: o.update(m, jax.tree.map(jnp.zeros_like, nnx.state(m, nnx.Param))))(model, optimizer)
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert jnp.array_equal(after["final_norm"]["scale"], before["final_norm"]["scale"])
+    assert jnp.array_equal(after["layers"][0]["attn"]["q_norm"]["scale"], before["layers"][0]["attn"]["q_norm"]["scale"])
+    np.testing.assert_allclose(after["embed"]["embedding"], before["embed"]["embedding"] * (1 - 0.1 * 0.5), rtol=1e-6)
+
+
+def test_train_step_reduces_loss_and_reports_lr_and_grad_norm():
+    model = Transformer(TINY, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    schedule = make_schedule(3e-3, warmup_steps=3, total_steps=20, schedule="cosine")
+    optimizer = nnx.Optimizer(model, make_optimizer(learning_rate=3e-3, warmup_steps=3, total_steps=20,
+                                                    schedule="cosine"), wrt=nnx.Param)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, size=(4, 10)), jnp.int32)
+    batch = {"ids": ids, "mask": jnp.ones_like(ids)}
+
+    def loss_fn(model, batch):  # maximise the likelihood of a fixed batch
+        logp, entropy = sequence_logprobs(model, batch["ids"], batch["mask"], 1.0)
+        return -logp[:, 1:].mean(), {"entropy": entropy[:, 1:].mean()}
+
+    @nnx.jit
+    def grad_norm(model):
+        return optax.tree.norm(nnx.grad(lambda m: loss_fn(m, batch)[0])(model))
+
+    step = make_train_step(loss_fn)
+    expected_norm = float(grad_norm(model))
+    history = []
+    for s in range(8):
+        metrics = step(model, optimizer, batch)
+        assert set(metrics) == {"loss", "entropy", "grad_norm", "learning_rate"}
+        assert float(metrics["learning_rate"]) == pytest.approx(float(schedule(s)), rel=1e-6)
+        if s == 0:
+            assert float(metrics["grad_norm"]) == pytest.approx(expected_norm, rel=1e-4)
+        history.append(float(metrics["loss"]))
+    assert int(optimizer.step[...]) == 8
+    assert history[-1] < history[0] - 0.1
+    assert all(b < a for a, b in zip(history, history[1:]))
