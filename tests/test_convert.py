@@ -220,3 +220,30 @@ def test_bucketed_is_lazy_and_bounded():
         assert total <= 240 or len(bucket) == 1
     with pytest.raises(ValueError, match="bucket_bytes"):
         next(bucketed(iter([]), 0))
+
+
+# ------------------------------------------------------------------------------------- vLLM loads it
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_vllm_serves_a_saved_checkpoint_like_the_learner(tmp_path, family):
+    """A Flax model saved with save_hf_model (llama: llama3 RoPE scaling in `rope_parameters`) starts
+    in vLLM, and vLLM's logprobs of its own samples agree with the learner's (bf16 kernels differ)."""
+    pytest.importorskip("vllm")
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.learner_jax.logprobs import sequence_logprobs
+
+    src = make_tiny_checkpoint(tmp_path / "src", family)
+    model, config = load_hf_model(src)
+    model.layers[0].mlp.down_proj.kernel[...] *= 1.5  # the saved weights differ from the source
+    out = tmp_path / "saved"
+    save_hf_model(model, config, out)
+    copy_tokenizer_files(src, out)
+    prompts = [[1, 40, 41, 42], [1, 60, 61, 62, 63, 64]]
+    with create_engine("vllm", model_path=str(out)) as engine:
+        rollouts = engine.generate(prompts, SamplingConfig(temperature=1.0, max_tokens=8, seed=3))
+    for r in rollouts:
+        ids = jnp.asarray([list(r.prompt_token_ids) + list(r.response_token_ids)], jnp.int32)
+        logp, _ = sequence_logprobs(model, ids, None, 1.0)
+        learner = np.asarray(logp)[0, len(r.prompt_token_ids):]
+        assert np.abs(learner - np.asarray(r.response_logprobs)).max() < 0.1
