@@ -21,16 +21,18 @@ def _rowwise_apply_scaled_mm(self, *, A, B, out_dtype, As, Bs, bias, output_shap
     if A.device.type != "cpu":
         return self._portable_rl_original_apply_scaled_mm(A=A, B=B, out_dtype=out_dtype, As=As, Bs=Bs,
                                                          bias=bias, output_shape=output_shape)
-    m, n = A.shape[0], B.shape[1]
-    scale_a = As.to(torch.float32).reshape(-1, 1).expand(m, 1).contiguous()   # [M, 1] per token
-    scale_b = Bs.to(torch.float32).reshape(1, -1).expand(1, n).contiguous()   # [1, N] per channel
-    out = torch._scaled_mm(A, B, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
-    if isinstance(out, tuple):
-        out = out[0]
     num_tokens = 1
     for d in output_shape[:-1]:
         num_tokens *= d
-    out = torch.narrow(out, 0, 0, num_tokens)
+    a = torch.narrow(A, 0, 0, num_tokens)  # A may carry padding rows beyond the real tokens
+    n = B.shape[1]
+    scale_a = As.to(torch.float32).reshape(-1, 1)
+    scale_a = (scale_a.expand(num_tokens, 1) if scale_a.shape[0] == 1
+               else torch.narrow(scale_a, 0, 0, num_tokens)).contiguous()          # [M, 1] per token
+    scale_b = Bs.to(torch.float32).reshape(1, -1).expand(1, n).contiguous()        # [1, N] per channel
+    out = torch._scaled_mm(a, B, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    if isinstance(out, tuple):
+        out = out[0]
     if bias is not None:
         out = out + bias
     return out.to(out_dtype).view(*output_shape)

@@ -1,0 +1,181 @@
+"""Gin plumbing for the entry points (T5X style). Library code never imports gin; this module does.
+
+Command line (train.py / evaluate.py / warmstart.py):
+    --gin_file=FILE          repeatable; relative names are looked up in the search paths
+    --gin.NAME=VALUE         repeatable; same as a line `NAME = VALUE` after all files
+                             (macros: --gin.TRAIN_STEPS=3; parameters: --gin.train.seed=1)
+    --gin_bindings='X = Y'   repeatable, the long form
+    --gin_search_paths=DIR   repeatable, comma-separated allowed; searched before the package's gin/
+
+The repository's `gin/` folder (next to the `portable_rl` package) and the current directory are always
+searched, so `--gin_file=gin/dapo_fp8.gin` and `--gin_file=dapo_fp8.gin` both work from anywhere.
+Library callables are registered here with `gin.external_configurable`, under short module names
+(`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import ast
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import gin
+
+import portable_rl
+
+PACKAGE_GIN_DIR = Path(portable_rl.__file__).resolve().parent.parent / "gin"
+_REGISTERED = False
+
+
+def default_search_paths() -> list[str]:
+    """The package's gin/ folder first (includes name files relative to it), then the repo root."""
+    return [str(PACKAGE_GIN_DIR), str(PACKAGE_GIN_DIR.parent)]
+
+
+def register_configurable(fn: Callable, name: str | None = None, module: str | None = None):
+    """`gin.external_configurable` that tolerates a second registration of the same name."""
+    try:
+        return gin.external_configurable(fn, name=name, module=module)
+    except ValueError as e:
+        if "already" not in str(e):
+            raise
+        return fn
+
+
+def register_library() -> None:
+    """Registers the gin-free library callables that gin files may reference."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from portable_rl import tasks
+    from portable_rl.engines import registry
+    from portable_rl import tis
+    from portable_rl.rl import dapo
+
+    for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask):
+        register_configurable(cls, module="tasks")
+    register_configurable(registry.create_engine, name="create_engine", module="engines")
+    register_configurable(tis.RolloutCorrectionConfig, module="tis")
+    register_configurable(tis.from_preset, name="from_preset", module="tis")
+    register_configurable(dapo.DapoConfig, module="rl")
+    from portable_rl.learner_jax import optim
+    from portable_rl import warmstart
+
+    register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
+    register_configurable(warmstart.warmstart, name="warmstart")
+    _REGISTERED = True
+
+
+def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
+    """`--gin.NAME=VALUE` / `--gin.NAME VALUE` → `--gin_bindings=NAME = VALUE`."""
+    out, i = [], 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--gin.") and arg != "--gin.":
+            body = arg[len("--gin."):]
+            if "=" in body:
+                name, value = body.split("=", 1)
+            elif i + 1 < len(argv):
+                name, value = body, argv[i + 1]
+                i += 1
+            else:
+                raise SystemExit(f"error: {arg} has no value; write --gin.NAME=VALUE")
+            out.append(f"--gin_bindings={name} = {_as_gin_value(value)}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def _as_gin_value(value: str) -> str:
+    """Bare words become strings, so --gin.RUN_DIR=/tmp/run works without inner quotes.
+
+    Anything gin would read as a value (numbers, quoted strings, True/None, @refs, %macros, containers)
+    is passed through unchanged.
+    """
+    text = value.strip()
+    if not text or text[0] in "@%'\"([{" or text in ("True", "False", "None"):
+        return value
+    try:
+        ast.literal_eval(text)
+        return value
+    except (ValueError, SyntaxError):
+        return repr(text)
+
+
+def make_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    p.add_argument("--gin_bindings", action="append", default=[], help="gin binding 'NAME = VALUE' (repeatable)")
+    p.add_argument("--gin_search_paths", action="append", default=[],
+                   help="extra directories to find gin files in (repeatable, comma-separated)")
+    return p
+
+
+def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
+              gin_search_paths: Sequence[str] = ()) -> None:
+    """Registers the library, adds search paths and parses files then bindings (bindings win)."""
+    register_library()
+    searches = [p for s in gin_search_paths for p in s.split(",") if p] + default_search_paths() + [os.getcwd()]
+    for path in searches:
+        gin.add_config_file_search_path(path)
+    if not gin_files:
+        raise SystemExit("error: no --gin_file given; e.g. --gin_file=gin/dapo_fp8.gin")
+    quiet = _DropMisses()
+    logging.getLogger().addFilter(quiet)  # gin logs every search-path miss before finding an include
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings), finalize_config=True)
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+class _DropMisses(logging.Filter):
+    def filter(self, record):
+        return not str(record.msg).startswith("Path not found")
+
+
+def run(main: Callable[[], None], argv: Sequence[str] | None = None, description: str = "") -> None:
+    """Parses flags, parses gin, then calls `main()` whose configurable parameters gin fills in.
+
+    Gin errors (unknown parameter, missing REQUIRED macro, bad syntax) end the program with one line.
+    """
+    argv = rewrite_gin_args(sys.argv[1:] if argv is None else argv)
+    args = make_parser(description).parse_args(argv)
+    try:
+        parse_gin(args.gin_file, args.gin_bindings, args.gin_search_paths)
+    except (ValueError, TypeError, KeyError, IOError) as e:
+        _exit_with(e)
+    try:
+        main()
+    except (ValueError, TypeError) as e:
+        if "Required bindings" not in str(e):
+            raise
+        _exit_with(e)
+
+
+def _exit_with(e: BaseException):
+    msg = " ".join(str(e).split())
+    raise SystemExit(f"gin config error: {msg} -- fix the --gin_file / --gin.NAME=VALUE named here "
+                     f"(gin files list the macros that must be set in their header)") from e
+
+
+def query_value(name: str):
+    """`gin.query_parameter` that resolves macros (`%RUN_DIR`) to their values."""
+    value = gin.query_parameter(name)
+    if isinstance(value, gin.config.ConfigurableReference) and value.configurable.name == "macro":
+        value = value.scoped_configurable_fn()  # a macro evaluates to its (recursively resolved) value
+    return value
+
+
+def write_config(run_dir: str | os.PathLike, name: str = "config.gin", operative: bool = False) -> Path:
+    """Writes the full parsed config (or the operative one: values actually used) into run_dir."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / name
+    path.write_text(gin.operative_config_str() if operative else gin.config_str())
+    return path

@@ -1,0 +1,62 @@
+"""Generation + scoring + dynamic sampling for one training step.
+
+For draw d = 0, 1, ... (at most `max_gen_batches`): take the task's prompts for (step, d), sample n
+responses each with seed hash(seed, step, d), score them with the reward, and keep the informative
+groups, until `prompt_batch_size` groups are kept. The data and the sampling seed depend only on
+(seed, step, draw), so a resumed run regenerates exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from portable_rl.engines.base import SamplingConfig
+from portable_rl.rl.dynamic_sampling import GroupCollector
+
+
+@dataclasses.dataclass
+class ScoredGroup:
+    example: object        # tasks.Example
+    rollouts: list         # n engines.base.Rollout
+    rewards: np.ndarray    # [n] task reward in [0, 1]
+
+
+def sampling_seed(seed: int, step: int, draw: int) -> int:
+    return int(np.random.default_rng([seed, step, draw, 7]).integers(0, 2**31 - 1))
+
+
+def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int):
+    """→ (kept groups (≤ prompt_batch_size), stats over everything generated this step)."""
+    collector = GroupCollector(cfg.prompt_batch_size, filter_groups=cfg.dynamic_sampling)
+    all_rewards, all_lengths, truncated = [], [], 0
+    for draw in range(cfg.max_gen_batches):
+        examples = task.train_batch(step, draw, cfg.prompt_batch_size)
+        sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_response_tokens,
+                                  n=cfg.n_samples, seed=sampling_seed(seed, step, draw),
+                                  stop_token_ids=(codec.eos_id,))
+        rollouts = engine.generate([codec.encode_prompt(e.prompt) for e in examples], sampling)
+        rewards = np.array([reward_fn(codec.decode_response(r.response_token_ids),
+                                      examples[r.prompt_index].answer) for r in rollouts], np.float32)
+        groups = [ScoredGroup(examples[p], rollouts[p * cfg.n_samples:(p + 1) * cfg.n_samples],
+                              rewards[p * cfg.n_samples:(p + 1) * cfg.n_samples]) for p in range(len(examples))]
+        collector.add(groups, rewards, cfg.n_samples)
+        all_rewards.append(rewards)
+        all_lengths += [len(r.response_token_ids) for r in rollouts]
+        truncated += sum(r.finish_reason == "length" for r in rollouts)
+        if collector.done:
+            break
+    rewards = np.concatenate(all_rewards)
+    kept = collector.take()
+    stats = {
+        "reward/mean": float(rewards.mean()),
+        "accuracy/train": float((rewards >= 1.0).mean()),
+        "response_length/mean": float(np.mean(all_lengths)),
+        "response_length/max": float(np.max(all_lengths)),
+        "response_length/clip_ratio": truncated / len(all_lengths),
+        "dynamic_sampling/gen_batches": collector.draws,
+        "dynamic_sampling/kept_groups": len(kept),
+        "dynamic_sampling/kept_fraction": len(collector.groups) / max(collector.seen, 1),
+    }
+    return kept, stats

@@ -1,0 +1,40 @@
+"""Weight push (learner → engine) and the post-sync probe.
+
+Push: `convert.to_torch.iter_hf_tensors` yields (HF name, bf16 torch tensor) one parameter at a time
+(DLPack views of the JAX buffers), grouped into `bucket_mb` buckets; the engine reloads them once per sync
+(an FP8 engine re-quantizes).
+Probe: the engine samples a fixed probe batch with a fixed seed; the learner scores the same tokens;
+`engines.probe` reports kl / max_abs_diff / mean_abs_diff (and raises for a bf16 engine out of tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from portable_rl.convert.to_torch import bucketed, iter_hf_tensors
+from portable_rl.engines import probe as probe_lib
+from portable_rl.rl.batching import pack_rollouts
+
+PROBE_SEED = 1234
+
+
+def push_weights(engine, model, model_config, bucket_mb: int = 256) -> None:
+    engine.update_weights(bucketed(iter_hf_tensors(model, model_config, dtype="bfloat16"), bucket_mb << 20))
+
+
+def learner_reference_fn(learner, pad_id: int):
+    """(prompts, responses) → the learner's per-token logprobs of the responses at the rollout temperature."""
+    def reference(prompts, responses):
+        rows = len(prompts)
+        batch = pack_rollouts(prompts, responses, [[0.0] * len(r) for r in responses], [0.0] * rows,
+                              pad_id=pad_id, row_multiple=max(rows, 1))
+        logp = np.asarray(learner._logprobs(learner.model, batch["input_ids"], batch["attention_mask"]))
+        return [logp[i, len(p):len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses))]
+    return reference
+
+
+def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, pad_id: int) -> dict:
+    quantized = getattr(engine, "quantization", None) is not None
+    result = probe_lib.run_probe(engine, prompts, learner_reference_fn(learner, pad_id), temperature=temperature,
+                                 max_tokens=max_tokens, seed=PROBE_SEED, quantized=quantized)
+    return result.as_metrics("probe/")

@@ -1,0 +1,147 @@
+"""Training entry point (T5X style): `python -m portable_rl.train --gin_file=gin/dapo_fp8.gin`.
+
+One step (docs/training.md):
+    prompts (task, seeded by step) → engine samples n responses with rollout logprobs → rewards →
+    dynamic sampling → overlong shaping → group advantages → learner recomputes old logprobs →
+    rollout correction (tis/) → mini-batch PPO updates → push weights to the engine → post-sync probe.
+
+`train()` is a plain keyword-only function; gin fills its arguments (gin_utils registers it). Rerunning
+the same command resumes from the newest checkpoint in `run_dir/checkpoints`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: tensors pass by reference
+
+
+def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
+          algorithm=None, optimizer_factory: Optional[Callable] = None, correction=None, seed: int = 0,
+          eval_every: int = 10, eval_max_tokens: Optional[int] = None, eval_size: Optional[int] = None,
+          checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
+          chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
+          compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, progress: bool = True) -> list[dict]:
+    """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm import tqdm
+
+    from portable_rl import tis
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.learner_jax.optim import make_optimizer
+    from portable_rl.learner_jax.checkpoint import Checkpointer
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.evaluation import evaluate_examples
+    from portable_rl.rl.learner import Learner
+    from portable_rl.rl.metrics import MetricsWriter
+    from portable_rl.rl.plots import write_plots
+    from portable_rl.rl.rollout import collect_groups
+    from portable_rl.rl import vllm_cpu_fp8
+    from portable_rl.rl.sync import push_weights, run_probe
+    from portable_rl.engines.base import SamplingConfig
+    from portable_rl.tasks import get_reward
+
+    cfg = algorithm or DapoConfig()
+    correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (Path(model_path) / "config.json").exists():
+        if warmstart_fn is None:
+            raise FileNotFoundError(f"no HF checkpoint at {model_path}; set MODEL_PATH or configure train.warmstart_fn")
+        print(f"[train] starting checkpoint {model_path} missing: running the warm start")
+        warmstart_fn(output_dir=model_path)
+
+    codec = TextCodec(model_path, chat_template=chat_template)
+    reward_fn = get_reward(task.reward)
+    model, model_config = load_hf_model(model_path, param_dtype=jnp.dtype(param_dtype),
+                                        compute_dtype=jnp.dtype(compute_dtype))
+    tx = (optimizer_factory or make_optimizer)()
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    learner = Learner(model, optimizer, cfg, correction)
+
+    ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
+    start_step = 0
+    if ckpts.latest_step() is not None:
+        start_step = ckpts.restore(model, optimizer).step
+        print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
+    writer = MetricsWriter(run_dir, resume_step=start_step if start_step else -1)  # fresh run: clear rows
+
+    held_out = list(task.eval_examples())[:eval_size]
+    probe_ids = [codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]]
+    greedy = SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
+                            stop_token_ids=(codec.eos_id,))
+
+    def heldout_accuracy():
+        summary, _ = evaluate_examples(engine, codec, held_out, reward_fn, greedy)
+        return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
+
+    vllm_cpu_fp8.apply()  # fast CPU FP8 GEMM for an in-process vLLM engine (no-op without vLLM)
+    engine = engine_factory(model_path=model_path)
+    rows = []
+    try:
+        t_sync = time.perf_counter()
+        if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
+            push_weights(engine, model, model_config, sync_bucket_mb)
+        else:
+            rows.append(writer.write(0, {**heldout_accuracy(), "time/sync": time.perf_counter() - t_sync}))
+        bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
+                   desc="train", disable=not progress, dynamic_ncols=True)
+        for step in bar:
+            m, t0 = {}, time.perf_counter()
+            groups, gen_stats = collect_groups(engine, codec, task, reward_fn, cfg, step=step, seed=seed)
+            m.update(gen_stats)
+            t1 = time.perf_counter()
+            if groups:
+                batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
+                m.update(batch_stats)
+                m.update(learner.correct(batch))
+                jax.block_until_ready(batch["old_logprobs"])
+                t2 = time.perf_counter()
+                m.update(learner.update(batch))
+            else:  # every group had equal rewards in every draw: nothing to learn from this step
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
+            push_weights(engine, model, model_config, sync_bucket_mb)
+            t4 = time.perf_counter()
+            if probe_prompts:
+                m.update(run_probe(engine, learner, probe_ids, temperature=cfg.temperature,
+                                   max_tokens=cfg.max_response_tokens, pad_id=codec.pad_id))
+            if eval_every and (step % eval_every == 0 or step == train_steps):
+                m.update(heldout_accuracy())
+            m.update({"time/generate": t1 - t0, "time/logprob": t2 - t1, "time/train": t3 - t2,
+                      "time/sync": t4 - t3, "time/step": time.perf_counter() - t0})
+            rows.append(writer.write(step, m))
+            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", acc=f"{m.get('accuracy/heldout', float('nan')):.2f}")
+            if step % checkpoint_every == 0 or step == train_steps:
+                ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)},
+                           rng=jax.random.key(seed))
+        ckpts.close()
+    finally:
+        writer.close()
+        engine.close()
+    write_plots(run_dir)
+    return rows
+
+
+def main(configured_train: Callable = train):
+    from portable_rl import gin_utils
+
+    run_dir = gin_utils.query_value("train.run_dir")
+    gin_utils.write_config(run_dir, "config.gin")
+    rows = configured_train()
+    gin_utils.write_config(run_dir, "operative_config.gin", operative=True)
+    last = rows[-1] if rows else {}
+    print(f"[train] done: {run_dir} (step {last.get('step')}, held-out accuracy {last.get('accuracy/heldout')})")
+
+
+if __name__ == "__main__":
+    from portable_rl import gin_utils
+
+    configured = gin_utils.register_configurable(train, name="train")
+    gin_utils.run(lambda: main(configured), description=__doc__.splitlines()[0])
