@@ -1,0 +1,120 @@
+"""Weight-sync throughput: Flax learner → vLLM, against a memcpy and a safetensors disk round trip.
+
+All rates are bytes of the bf16 HF tensors (the payload an engine receives) per second, measured in one run:
+
+  memcpy        one torch copy_ of a buffer of the same size (the floor: nothing can move bytes faster)
+  convert       Flax params → (hf_name, torch bf16 tensor) pairs (`iter_hf_tensors`: cast + transpose on the
+                JAX side, DLPack into torch), until every tensor is ready
+  push          convert + `VLLMEngine.update_weights` (name/shape check, layerwise reload, re-packing,
+                prefix-cache reset): what one sync costs the trainer
+  disk          `save_hf_model` (safetensors into /tmp, i.e. the page cache) + vLLM `reload_weights` from
+                that path: the sync a trainer would do without an in-process push
+
+Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
+
+    python benchmarks/weight_sync.py [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000 --repeats 3]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+
+def timed(fn, repeats):
+    """Median wall time of `repeats` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.testing import make_tiny_checkpoint
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="weight_sync_")
+    ckpt = os.path.join(workdir, "ckpt")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        make_tiny_checkpoint(ckpt, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
+                             intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                             head_dim=args.hidden // args.heads, tie_word_embeddings=False,
+                             max_positions=512)
+    model, config = load_hf_model(ckpt, param_dtype=jnp.dtype(args.param_dtype))
+    pairs = list(iter_hf_tensors(model, config))
+    n_params = sum(t.numel() for _, t in pairs)
+    n_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    del pairs
+    print(f"model: {n_params / 1e6:.0f}M params, {n_bytes / 2**30:.2f} GiB in bf16, "
+          f"learner params {args.param_dtype}; torch threads {torch.get_num_threads()}, "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}")
+
+    src = torch.empty(n_bytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    t_memcpy = timed(lambda: dst.copy_(src), args.repeats)
+    del src, dst
+
+    def convert():
+        for _, tensor in iter_hf_tensors(model, config):
+            pass  # torch.from_dlpack waits until the JAX computation producing the tensor is done
+
+    t_convert = timed(convert, args.repeats)
+
+    engine = create_engine("vllm", model_path=ckpt, max_model_len=256)
+    probe = [[1, 2, 3, 4]]
+    sampling = SamplingConfig(temperature=0.0, max_tokens=4)
+    reference = engine.generate(probe, sampling)[0].response_token_ids
+
+    t_push = timed(lambda: engine.update_weights(iter_hf_tensors(model, config)), args.repeats)
+    assert engine.generate(probe, sampling)[0].response_token_ids == reference  # same weights, same output
+
+    disk = os.path.join(workdir, "disk")
+
+    def disk_round_trip():
+        shutil.rmtree(disk, ignore_errors=True)
+        save_hf_model(model, config, disk, dtype="bfloat16")
+        copy_tokenizer_files(ckpt, disk)
+        engine._llm.collective_rpc("reload_weights", kwargs=dict(weights_path=disk, is_checkpoint_format=True))
+        engine._llm.reset_prefix_cache()
+
+    t_disk = timed(disk_round_trip, args.repeats)
+    assert engine.generate(probe, sampling)[0].response_token_ids == reference
+    engine.close()
+
+    gib = 2 ** 30
+    rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
+            ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk)]
+    print(f"\n| path | time (s) | GiB/s |\n|---|---|---|")
+    for name, t in rows:
+        print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")
+    print(f"\nconvert / memcpy throughput: {t_memcpy / t_convert:.2f}x (target >= 0.8x)")
+    print(f"push / disk throughput:      {t_disk / t_push:.2f}x (target >= 3x)")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
