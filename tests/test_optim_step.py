@@ -90,3 +90,22 @@ def test_train_step_reduces_loss_and_reports_lr_and_grad_norm():
     assert int(optimizer.step[...]) == 8
     assert history[-1] < history[0] - 0.1
     assert all(b < a for a, b in zip(history, history[1:]))
+
+
+def test_remat_gives_the_same_gradients():
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 64, size=(2, 6)), jnp.int32)
+
+    @nnx.jit
+    def grads(model):
+        return nnx.grad(lambda m: sequence_logprobs(m, ids, None, 1.0)[0].sum())(model)
+
+    plain = Transformer(TINY, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    remat = Transformer(TINY, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
+                 nnx.to_pure_dict(grads(plain)), nnx.to_pure_dict(grads(remat)))
+
+    def forward_jaxpr(model):
+        graphdef, state = nnx.split(model)
+        return str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(ids))(state))
+
+    assert "remat" in forward_jaxpr(remat) and "remat" not in forward_jaxpr(plain)

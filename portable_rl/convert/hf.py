@@ -74,9 +74,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=None
+def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=None, remat: bool = False
                   ) -> tuple[Transformer, ModelConfig]:
-    """Reads an HF checkpoint directory into a `Transformer` (params in `param_dtype`, default float32)."""
+    """Reads an HF checkpoint directory into a `Transformer` (params in `param_dtype`, default float32;
+    compute in `compute_dtype`, default bfloat16; `remat` as in `Transformer`)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -87,8 +88,8 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
     param_dtype = jnp.dtype(param_dtype or jnp.float32)
     compute_dtype = jnp.dtype(compute_dtype or jnp.bfloat16)
     # Build the module skeleton without initialising random weights, then fill every param.
-    model = nnx.eval_shape(lambda: Transformer(config, param_dtype=param_dtype,
-                                               compute_dtype=compute_dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(config, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                               rngs=nnx.Rngs(0), remat=remat))
     mappings = {m.hf_name: m for m in param_mappings(config)}
     files = _tensor_files(path)
     missing = sorted(set(mappings) - set(files))

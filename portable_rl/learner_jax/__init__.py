@@ -4,6 +4,7 @@ Never imports torch (see docs/architecture.md).
 """
 
 from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.logprobs import sequence_logprobs, token_logprobs
 from portable_rl.learner_jax.model import Transformer
 
-__all__ = ["ModelConfig", "Transformer"]
+__all__ = ["ModelConfig", "Transformer", "sequence_logprobs", "token_logprobs"]

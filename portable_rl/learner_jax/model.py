@@ -124,13 +124,26 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
+def _apply_layer(layer, x, cos, sin, mask):
+    return layer(x, cos, sin, mask)
+
+
+# Recomputes a layer's activations in the backward pass instead of storing them.
+_apply_layer_remat = nnx.remat(_apply_layer)
+
+
 class Transformer(nnx.Module):
-    """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`."""
+    """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`.
+
+    `remat=True` recomputes each layer in the backward pass (activation memory of one layer
+    instead of all of them, for about one extra forward pass of compute).
+    """
 
     def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
-                 rngs: nnx.Rngs | None = None):
+                 rngs: nnx.Rngs | None = None, remat: bool = False):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
+        self.remat = remat
         self.param_dtype, self.compute_dtype = jnp.dtype(param_dtype), jnp.dtype(compute_dtype)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=compute_dtype,
@@ -157,8 +170,9 @@ class Transformer(nnx.Module):
         mask = causal[None, None] & valid[:, None, None, :]                    # [B, 1, T, T]
 
         x = self.embed(input_ids)                                              # [B, T, D]
+        apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = apply(layer, x, cos, sin, mask)
         x = self.final_norm(x)
         # Logits: compute-dtype inputs, float32 accumulation and output (no bf16 rounding of logits).
         if self.config.tie_word_embeddings:
