@@ -247,3 +247,17 @@ def test_vllm_serves_a_saved_checkpoint_like_the_learner(tmp_path, family):
         logp, _ = sequence_logprobs(model, ids, None, 1.0)
         learner = np.asarray(logp)[0, len(r.prompt_token_ids):]
         assert np.abs(learner - np.asarray(r.response_logprobs)).max() < 0.1
+
+
+def test_config_family_defaults():
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    qwen2, qwen3, llama = (ModelConfig(family=f, **dims) for f in ("qwen2", "qwen3", "llama"))
+    assert (qwen2.qkv_bias, qwen2.o_proj_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen3.qkv_bias, qwen3.o_proj_bias, qwen3.qk_norm) == (False, False, True)
+    assert (llama.qkv_bias, llama.o_proj_bias, llama.qk_norm) == (False, False, False)
+    assert ModelConfig(family="llama", attention_bias=True, **dims).o_proj_bias
+    with pytest.raises(ValueError, match="unsupported model family"):
+        ModelConfig(family="mistral", **dims)
+    with pytest.raises(ValueError, match="multiple of"):
+        ModelConfig(family="llama", **{**dims, "num_key_value_heads": 3})

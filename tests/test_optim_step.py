@@ -14,7 +14,7 @@ from portable_rl.learner_jax.optim import make_optimizer, make_schedule
 from portable_rl.learner_jax.step import make_train_step
 
 TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, qk_norm=True)
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
 
 def test_constant_schedule_with_warmup():

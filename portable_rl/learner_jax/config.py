@@ -51,8 +51,8 @@ class ModelConfig:
     rope_scaling: dict | None = None  # None for plain RoPE, else e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False      # qwen2: always True (q, k, v only); llama/qwen3: q, k, v and o
-    qk_norm: bool = False             # qwen3: RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool | None = None  # None -> family default: qwen2 True (q, k, v only); else False (q, k, v, o)
+    qk_norm: bool | None = None         # None -> family default: True for qwen3 (RMSNorm on q, k heads)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -62,6 +62,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
             raise ValueError(f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", self.family == "qwen2")
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", self.family == "qwen3")
+        if self.family == "qwen2" and not self.attention_bias:
+            raise ValueError("qwen2 always has q/k/v biases; attention_bias must be True (or None)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
