@@ -105,7 +105,8 @@ def test_partially_written_step_is_never_restored(tmp_path):
     (tmp_path / "10.orbax-checkpoint-tmp-123").mkdir()
     assert latest_step(tmp_path) == 3
     ckpt = Checkpointer(tmp_path)
-    assert not partial.exists()  # cleaned up on open
+    assert not partial.exists()  # moved aside on open, not deleted
+    assert [p.name.split("-")[:2] for p in tmp_path.glob("incomplete-*")] == [["incomplete", "9"]]
     assert ckpt.restore(model, optimizer).extra == {"step": 3}
     ckpt.save(9, model, optimizer)  # the step number is free again
     assert (tmp_path / "9" / COMMIT_MARKER).exists() and ckpt.latest_step() == 9

@@ -3,7 +3,8 @@
 Layout: `<dir>/<step>/{model, optimizer, meta}` written by `orbax.checkpoint.CheckpointManager` (which writes to
 a temporary directory and renames it), plus `<dir>/<step>/COMMITTED`, written by us only after
 orbax has finished. A step directory without `COMMITTED` (a crash mid-write, a partial copy) is
-never restored: `latest_step` skips it and opening a `Checkpointer` deletes it. Saving is
+never restored: `latest_step` skips it and opening a `Checkpointer` moves it aside to
+`<dir>/incomplete-<step>-<ns>` (nothing is deleted). Saving is
 synchronous so the marker always means "fully on disk". The newest `max_to_keep` steps are kept.
 
     ckpt = Checkpointer(directory, max_to_keep=3)
@@ -18,7 +19,7 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +62,13 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
         self.directory = Path(directory).absolute()
         self.directory.mkdir(parents=True, exist_ok=True)
-        for step, path in _step_dirs(self.directory).items():
-            if not (path / COMMIT_MARKER).exists():
-                _log.warning("removing incomplete checkpoint %s (no %s marker)", path, COMMIT_MARKER)
-                shutil.rmtree(path)
+        if jax.process_index() == 0:
+            for step, path in _step_dirs(self.directory).items():
+                if not (path / COMMIT_MARKER).exists():
+                    # Moved aside, not deleted: frees the step number and loses nothing.
+                    aside = self.directory / f"incomplete-{step}-{time.time_ns()}"
+                    _log.warning("moving incomplete checkpoint %s (no %s marker) to %s", path, COMMIT_MARKER, aside)
+                    os.rename(path, aside)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
