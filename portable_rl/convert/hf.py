@@ -56,6 +56,13 @@ def get_param(model: nnx.Module, path: tuple) -> nnx.Param:
     return node
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _cast(x, dtype, transpose):
+    """`x` cast to `dtype` and, if asked, transposed; one fused XLA op writing a row-major result."""
+    x = x.astype(dtype)
+    return x.T if transpose else x
+
+
 # ---------------------------------------------------------------------------------------- load
 def _tensor_files(path: Path) -> dict[str, Path]:
     """HF name -> safetensors file holding it."""
@@ -115,18 +122,11 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
                 if tuple(value.shape) != hf_shape:
                     raise ValueError(f"tensor {m.hf_name!r} has shape {tuple(value.shape)} in {fname.name} "
                                      f"but config.json implies {hf_shape}; fix config.json")
-                param.set_value((value.T if m.transpose else value).astype(param_dtype))
+                param.set_value(_cast(value, param_dtype, m.transpose))
     return model, config
 
 
 # ---------------------------------------------------------------------------------------- export
-@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
-def _cast(x, dtype, transpose):
-    """HF layout in the export dtype; the transpose is materialised (row-major) by XLA."""
-    x = x.astype(dtype)
-    return x.T if transpose else x
-
-
 def hf_arrays(model: Transformer, config: ModelConfig, dtype="bfloat16") -> Iterator[tuple[str, jax.Array]]:
     """(HF name, JAX array in HF layout and `dtype`), lazily, one parameter at a time.
 
