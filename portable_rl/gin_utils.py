@@ -19,6 +19,7 @@ import argparse
 import logging
 import ast
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -160,6 +161,10 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
 
 def _exit_with(e: BaseException):
     msg = " ".join(str(e).split())
+    required = re.findall(r"(\w+)/macro\.value set to `%gin\.REQUIRED`", msg)
+    if required:
+        raise SystemExit(f"gin config error: required macro {required[0]} is not set; pass "
+                         f"--gin.{required[0]}=VALUE (see the gin file's header)") from e
     raise SystemExit(f"gin config error: {msg} -- fix the --gin_file / --gin.NAME=VALUE named here "
                      f"(gin files list the macros that must be set in their header)") from e
 

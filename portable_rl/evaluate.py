@@ -1,0 +1,130 @@
+"""Evaluation entry point: `python -m portable_rl.evaluate --gin_file=gin/eval/arithmetic.gin --gin.CHECKPOINT=DIR`.
+
+CHECKPOINT is either an HF directory (config.json + safetensors; the engine loads it as is) or a training
+run directory / its `checkpoints/` folder (orbax): then the base HF checkpoint the run started from
+(recorded in the checkpoint, or MODEL_PATH) is loaded by the engine and the trained weights are pushed
+into it, exactly as during training. Any registered engine works (`engines.create_engine.name`).
+
+Reports accuracy (mean per-sample correctness), pass@k (unbiased estimator, k ≤ n), mean response length;
+writes a JSON report (summary + per-sample records) and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _orbax_dir(checkpoint: Path) -> Optional[Path]:
+    for candidate in (checkpoint / "checkpoints", checkpoint):
+        if candidate.is_dir() and any(p.name.isdigit() for p in candidate.iterdir()):
+            return candidate
+    return None
+
+
+def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Optional[str] = None,
+             step: Optional[int] = None, n_samples: int = 1, temperature: float = 0.0,
+             max_tokens: int = 64, ks: Sequence[int] = (1,), max_examples: Optional[int] = None,
+             chat_template: bool = False, seed: int = 0, report_path: Optional[str] = None) -> dict:
+    """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON)."""
+    from portable_rl.engines.base import SamplingConfig
+    from portable_rl.rl import vllm_cpu_fp8
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.evaluation import evaluate_examples
+    from portable_rl.tasks import get_reward
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist; set CHECKPOINT to an HF dir or a run dir")
+    t0 = time.perf_counter()
+    orbax_dir = None if (checkpoint / "config.json").exists() else _orbax_dir(checkpoint)
+    restored_step = None
+    if orbax_dir is None:
+        if not (checkpoint / "config.json").exists():
+            raise FileNotFoundError(f"{checkpoint} is neither an HF checkpoint (config.json) nor a run directory "
+                                    "with orbax checkpoints")
+        base = checkpoint
+    else:
+        import jax.numpy as jnp
+
+        from portable_rl.convert.hf import load_hf_model
+        from portable_rl.learner_jax.checkpoint import Checkpointer
+
+        ckpts = Checkpointer(orbax_dir)
+        restored_step = step if step is not None else ckpts.latest_step()
+        if restored_step is None:
+            raise FileNotFoundError(f"no committed checkpoint in {orbax_dir}")
+        extra = _checkpoint_extra(orbax_dir, restored_step)
+        base = Path(model_path or extra.get("model_path", ""))
+        if not (base / "config.json").exists():
+            raise FileNotFoundError(f"base HF checkpoint {base} not found; set MODEL_PATH (the run's starting "
+                                    "checkpoint, for the model config, tokenizer and engine start)")
+        model, model_config = load_hf_model(base, param_dtype=jnp.float32)
+        ckpts.restore(model, None, step=restored_step)
+        ckpts.close()
+
+    codec = TextCodec(base, chat_template=chat_template)
+    reward_fn = get_reward(task.reward)
+    examples = list(task.eval_examples())[:max_examples]
+    sampling = SamplingConfig(temperature=temperature, n=n_samples, max_tokens=max_tokens,
+                              seed=None if temperature == 0 else seed, stop_token_ids=(codec.eos_id,))
+    vllm_cpu_fp8.apply()
+    engine = engine_factory(model_path=str(base))
+    try:
+        if orbax_dir is not None:
+            from portable_rl.rl.sync import push_weights
+            push_weights(engine, model, model_config)
+        summary, records = evaluate_examples(engine, codec, examples, reward_fn, sampling, ks=ks)
+    finally:
+        engine.close()
+    report = {"checkpoint": str(checkpoint), "step": restored_step, "base_model": str(base),
+              "task": getattr(task, "name", type(task).__name__), "temperature": temperature,
+              "engine": type(engine).__name__, "quantization": getattr(engine, "quantization", None),
+              "seconds": time.perf_counter() - t0, **summary, "samples": records}
+    if report_path is None:
+        where = checkpoint if orbax_dir is not None else Path.cwd()
+        suffix = f"_step{restored_step}" if restored_step is not None else ""
+        report_path = where / f"eval_{report['task']}{suffix}.json"
+    Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
+    print(format_table(report))
+    print(f"[evaluate] report: {report_path}")
+    return report
+
+
+def _checkpoint_extra(orbax_dir: Path, step: int) -> dict:
+    """The JSON `extra` the trainer saved with the checkpoint (it names the base HF checkpoint)."""
+    for meta in sorted((orbax_dir / str(step) / "meta").glob("*")):
+        try:
+            return json.loads(meta.read_text()).get("extra", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+    return {}
+
+
+def format_table(report: dict) -> str:
+    keys = ["accuracy"] + sorted(k for k in report if k.startswith("pass@")) + ["mean_length", "num_problems",
+                                                                                  "samples_per_problem"]
+    rows = [("checkpoint", report["checkpoint"]), ("step", report["step"]), ("task", report["task"]),
+            ("engine", f"{report['engine']} ({report['quantization'] or 'bf16'})")]
+    rows += [(k, f"{report[k]:.4f}" if isinstance(report[k], float) else report[k]) for k in keys]
+    width = max(len(k) for k, _ in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 50 + "+"
+    body = [f"| {k:<{width}} | {str(v)[-48:]:<48} |" for k, v in rows]
+    return "\n".join([line, *body, line])
+
+
+def main(configured_evaluate: Callable = evaluate):
+    configured_evaluate()
+
+
+if __name__ == "__main__":
+    from portable_rl import gin_utils
+
+    configured = gin_utils.register_configurable(evaluate, name="evaluate")
+    gin_utils.run(lambda: main(configured), description=__doc__.splitlines()[0])
