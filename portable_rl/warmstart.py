@@ -16,15 +16,25 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 WARMSTART_STREAM = 10_000_000  # task step offset: warm-start data never coincides with RL step data
 
 
 def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny", steps: int = 250,
               batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0, max_positions: int = 64,
-              progress: bool = True, size_overrides: Optional[dict] = None) -> str:
-    """Writes the warm-started HF checkpoint to `output_dir` and returns it."""
+              warmup_steps: int = 30, schedule: str = "cosine", answer_noise: float = 0.0,
+              noise_offset: int = 1, progress: bool = True, size_overrides: Optional[dict] = None,
+              snapshot_steps: Sequence[int] = ()) -> str:
+    """Writes the warm-started HF checkpoint to `output_dir` and returns it.
+
+    `answer_noise` > 0 imitates a sloppy teacher: that fraction of the (integer) answers is shown as
+    `answer + noise_offset` (a consistent mistake, e.g. overcounting by one). The policy then puts most
+    of its mass on the wrong answer (greedy decoding is mostly wrong) while the right one keeps the rest
+    (sampling often finds it): the situation RL with a verifiable reward is for.
+    With schedule="constant" the first k steps equal a k-step run, so `snapshot_steps` writes
+    `<output_dir>_step<k>` copies to pick a stopping point.
+    """
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -47,8 +57,8 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
                              max_positions=max_positions, **(size_overrides or {}))
         codec = TextCodec(init_dir)
         model, config = load_hf_model(init_dir, param_dtype=jnp.float32, compute_dtype=jnp.float32)
-        tx = make_optimizer(learning_rate=learning_rate, warmup_steps=max(steps // 10, 1), total_steps=steps,
-                            schedule="cosine", weight_decay=0.0, max_grad_norm=1.0)
+        tx = make_optimizer(learning_rate=learning_rate, warmup_steps=warmup_steps, total_steps=steps,
+                            schedule=schedule, weight_decay=0.0, max_grad_norm=1.0)
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
         def loss_fn(model, batch):
@@ -61,12 +71,18 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
         bar = tqdm(range(steps), desc="warmstart", disable=not progress, dynamic_ncols=True)
         for step in bar:
             examples = task.train_batch(WARMSTART_STREAM + step, 0, batch_size)
+            noisy = np.random.default_rng([seed, step, 99]).random(len(examples)) < answer_noise
             prompts = [codec.encode_prompt(e.prompt) for e in examples]
-            answers = [codec.encode_response(e.answer) for e in examples]
+            answers = [codec.encode_response(_shown_answer(e.answer, noise_offset if n else 0))
+                       for e, n in zip(examples, noisy)]
             batch = pack_rollouts(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * len(answers),
                                   pad_id=codec.pad_id)
             batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
             metrics = train_step(model, optimizer, batch)
+            if step + 1 in snapshot_steps:
+                snap = Path(f"{output_dir}_step{step + 1}")
+                save_hf_model(model, config, snap, dtype="bfloat16", overwrite=True)
+                copy_tokenizer_files(init_dir, snap)
             if step % 10 == 0 or step == steps - 1:
                 bar.set_postfix(nll=f"{float(metrics['nll']):.3f}")
         staged = Path(tmp) / "out"
@@ -77,6 +93,15 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
         staged.rename(output_dir)
     print(f"[warmstart] wrote {output_dir} ({steps} steps, {time.perf_counter() - t0:.0f}s)")
     return str(output_dir)
+
+
+def _shown_answer(answer: str, offset: int) -> str:
+    if not offset:
+        return answer
+    try:
+        return str(int(answer) + offset)
+    except ValueError:
+        raise ValueError(f"answer_noise needs integer answers, got {answer!r}; set answer_noise=0") from None
 
 
 def main():
