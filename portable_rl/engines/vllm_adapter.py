@@ -15,6 +15,9 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
+Several in-process engines may live in one process (vLLM keeps process-global parallel state; `close()` tears
+it down only with the last one).
+
 `engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
 `"fp8_per_block"` on GPU, `tensor_parallel_size`, `enable_sleep_mode`); they override the defaults here.
 """
@@ -102,8 +105,8 @@ class VLLMEngine(EngineAdapter):
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = True, dtype: str = "bfloat16", in_process: bool = True,
                  validate_weights: bool = True):
-        if in_process:  # must be set before vLLM builds its engine core: tensors then pass by reference
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
 
         self.model_path = str(model_path)
@@ -131,7 +134,8 @@ class VLLMEngine(EngineAdapter):
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
         self._optional_names = {"lm_head.weight"} if tied else set()
         self._llm = vllm.LLM(**kwargs)
-        VLLMEngine._live += 1
+        self._in_process = in_process
+        VLLMEngine._live += in_process
 
     # ----------------------------------------------------------------------------------------- rollouts
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
@@ -182,13 +186,14 @@ class VLLMEngine(EngineAdapter):
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
-        VLLMEngine._live -= 1
+        VLLMEngine._live -= self._in_process
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if VLLMEngine._live == 0:
+        if not self._in_process or VLLMEngine._live == 0:
             # vLLM's shutdown also tears down its process-global distributed state, so a later LLM can start.
             if engine_core is not None:
                 engine_core.shutdown()
-            _destroy_parallel_state()
+            if self._in_process:
+                _destroy_parallel_state()
         else:
             # Another in-process engine still uses that process-global state: free only this one's worker,
             # and detach the client's GC finalizer, which would run the full shutdown above.
