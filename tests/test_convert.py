@@ -201,6 +201,16 @@ def test_iter_hf_tensors_bit_identical_to_saved_file(bf16_ckpt, tmp_path, dtype)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == dtype
 
 
+def test_iter_hf_tensors_moves_no_bytes_for_bf16_params(bf16_ckpt):
+    """bf16 learner params: every exported tensor aliases the parameter's buffer (transposes are views)."""
+    model, config = load_hf_model(bf16_ckpt, param_dtype=jnp.bfloat16)
+    for m, (name, tensor) in zip(param_mappings(config), iter_hf_tensors(model, config, dtype="bfloat16")):
+        param = hf_lib.get_param(model, m.nnx_path)[...]
+        assert name == m.hf_name
+        assert tensor.data_ptr() == param.unsafe_buffer_pointer(), name
+        assert tensor.is_contiguous() == (not m.transpose or 1 in param.shape), name
+
+
 def test_bucketed_is_lazy_and_bounded():
     sizes = [10, 30, 20, 50, 200, 5, 5]  # float32 elements
     produced = []

@@ -127,14 +127,23 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
 
 
 # ---------------------------------------------------------------------------------------- export
+def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
+                ) -> Iterator[tuple[ParamMapping, jax.Array]]:
+    """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`."""
+    dtype = _DTYPES[_dtype_name(dtype)]
+    for m in param_mappings(config):
+        value = get_param(model, m.nnx_path)[...]
+        yield m, (value if value.dtype == dtype else value.astype(dtype))
+
+
 def hf_arrays(model: Transformer, config: ModelConfig, dtype="bfloat16") -> Iterator[tuple[str, jax.Array]]:
     """(HF name, JAX array in HF layout and `dtype`), lazily, one parameter at a time.
 
-    The single source of exported values: `save_hf_model` writes these and `to_torch` wraps them.
+    The single source of exported values: `save_hf_model` writes these; `to_torch` hands torch the same
+    values from `cast_params`, with the HF-layout transpose done as a torch view.
     """
-    dtype = _DTYPES[_dtype_name(dtype)]
-    for m in param_mappings(config):
-        yield m.hf_name, _cast(get_param(model, m.nnx_path)[...], dtype, m.transpose)
+    for m, value in cast_params(model, config, dtype):
+        yield m.hf_name, (value.T if m.transpose else value)
 
 
 # ---------------------------------------------------------------------------------------- save

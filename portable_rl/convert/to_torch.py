@@ -1,9 +1,11 @@
 """Flax params -> (HF name, torch.Tensor) pairs for rollout engines, lazily and in bounded buckets.
 
-Each tensor is cast (and, for linear weights, transposed) on the JAX side into a fresh row-major
-array, then handed to torch with DLPack: no host copy, the torch tensor shares the JAX buffer
-(same device, same data pointer) and keeps it alive. The values are exactly what
-`convert.hf.save_hf_model` writes for the same dtype (both come from `hf.hf_arrays`).
+Each parameter is cast on the JAX side only if its dtype differs from the export dtype, then handed to
+torch with DLPack: no host copy, the torch tensor shares the JAX buffer (same device, same data pointer)
+and keeps it alive. Linear weights are stored [in, out] in NNX and [out, in] in HF: the transpose is a
+torch *view* (`tensor.T`), not a copy; engines' weight loaders copy from strided sources anyway, so with
+bf16 learner params the whole conversion moves no bytes (docs/benchmarks.md, "Weight sync").
+The values are exactly what `convert.hf.save_hf_model` writes for the same dtype.
 
 Memory: `iter_hf_tensors` materialises one tensor at a time; `bucketed` holds at most one bucket
 (`bucket_bytes`, or a single larger tensor) of them, so peak extra memory is about one bucket.
@@ -15,14 +17,18 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from portable_rl.convert.hf import hf_arrays
+from portable_rl.convert.hf import cast_params
 from portable_rl.learner_jax.config import ModelConfig
 
 
 def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, torch tensor in HF layout and `dtype`), one parameter at a time."""
-    for name, array in hf_arrays(model, config, dtype):
-        yield name, jax_to_torch(array)
+    """Yields (HF name, torch tensor in HF shape and `dtype`), one parameter at a time.
+
+    Transposed weights are non-contiguous views; call `.contiguous()` if a consumer needs packed memory.
+    """
+    for m, array in cast_params(model, config, dtype):
+        tensor = jax_to_torch(array)
+        yield m.hf_name, (tensor.T if m.transpose else tensor)
 
 
 def jax_to_torch(array) -> torch.Tensor:
