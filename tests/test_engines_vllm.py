@@ -179,3 +179,18 @@ def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt,
     print(f"fp8_per_channel engine vs learner at T={SAMPLING.temperature}: {result}")
     assert result.max_abs_diff > BF16_MAX_ABS_DIFF / 10  # FP8 weights really differ from bf16 ...
     assert result.max_abs_diff < 1.0 and result.kl < 0.05  # ... by a bounded amount
+
+
+def test_bucketed_push_is_one_reload(bf16_engine, pushed, monkeypatch):
+    new_model, _, _ = pushed
+    before = bf16_engine.generate(PROMPTS, SAMPLING)
+    llm = bf16_engine._llm
+    calls = []
+    real_rpc = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc", lambda method, **kw: calls.append(method) or real_rpc(method, **kw))
+    buckets = list(bucketed(iter_hf_tensors(new_model, new_model.config), bucket_bytes=32 << 10))
+    assert len(buckets) > 3
+    bf16_engine.update_weights(iter(buckets))
+    assert calls == ["portable_rl_reload_weights"]
+    after = bf16_engine.generate(PROMPTS, SAMPLING)  # same weights again: identical outputs
+    assert [r.response_logprobs for r in after] == [r.response_logprobs for r in before]
