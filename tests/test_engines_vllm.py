@@ -194,3 +194,26 @@ def test_bucketed_push_is_one_reload(bf16_engine, pushed, monkeypatch):
     assert calls == ["portable_rl_reload_weights"]
     after = bf16_engine.generate(PROMPTS, SAMPLING)  # same weights again: identical outputs
     assert [r.response_logprobs for r in after] == [r.response_logprobs for r in before]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_push_equals_fresh_engine_other_families(family, tmp_path):
+    """Untied heads, qk-norm (qwen3) and llama3 rope scaling go through the same push path."""
+    ckpt = make_tiny_checkpoint(tmp_path / family, family)
+    model, config = load_hf_model(ckpt)
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    new_model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    saved = save_hf_model(new_model, config, tmp_path / "saved")
+    copy_tokenizer_files(ckpt, saved)
+    with create_engine("vllm", model_path=ckpt) as engine:
+        engine.update_weights(iter_hf_tensors(new_model, config))
+        after_push = engine.generate(PROMPTS, SAMPLING)
+        result = run_probe(engine, PROMPTS, reference_fn(new_model, 1.0), threshold=BF16_MAX_ABS_DIFF)
+    with create_engine("vllm", model_path=saved) as fresh:
+        from_disk = fresh.generate(PROMPTS, SAMPLING)
+    assert [r.response_token_ids for r in after_push] == [r.response_token_ids for r in from_disk]
+    assert [r.response_logprobs for r in after_push] == [r.response_logprobs for r in from_disk]
+    assert result.n_tokens > 0
