@@ -3,15 +3,13 @@
 All rates are bytes of the bf16 HF tensors (the payload an engine receives) per second, measured in one run:
 
   memcpy        one torch copy_ of a buffer of the same size (the floor: nothing can move bytes faster)
-  convert       Flax params → (hf_name, torch bf16 tensor) pairs (`iter_hf_tensors`: cast + transpose on the
-                JAX side, DLPack into torch), until every tensor is ready
+  convert       Flax params → (hf_name, torch bf16 tensor) pairs (`iter_hf_tensors`: cast on the JAX side if
+                the learner's dtype differs, DLPack into torch, transposes as torch views), until every tensor
+                is ready
   push          convert + `VLLMEngine.update_weights` (name/shape check, layerwise reload, re-packing,
                 prefix-cache reset): what one sync costs the trainer
   disk          `save_hf_model` (safetensors into /tmp, i.e. the page cache) + vLLM `reload_weights` from
                 that path: the sync a trainer would do without an in-process push
-
-The last two rows measure a proposed variant of `to_torch` (transposes as torch views, see
-`lazy_transpose_pairs`) to show where the conversion time goes.
 
 Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
 
@@ -53,8 +51,7 @@ def main():
     import jax.numpy as jnp
     import torch
 
-    from portable_rl.convert.hf import copy_tokenizer_files, get_param, load_hf_model, save_hf_model
-    from portable_rl.convert.mapping import param_mappings
+    from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines import SamplingConfig, create_engine
     from portable_rl.testing import make_tiny_checkpoint
@@ -87,15 +84,6 @@ def main():
 
     t_convert = timed(convert, args.repeats)
 
-    def lazy_transpose_pairs():
-        """Proposed variant: cast on the JAX side, DLPack the [in, out] kernel, transpose as a torch *view*;
-        the engine's weight loaders copy from the strided view, so the transpose is never materialised twice."""
-        for m in param_mappings(config):
-            tensor = torch.from_dlpack(get_param(model, m.nnx_path)[...].astype(jnp.bfloat16))
-            yield m.hf_name, (tensor.T if m.transpose else tensor)
-
-    t_convert_lazy = timed(lambda: [None for _ in lazy_transpose_pairs()], args.repeats)
-
     engine = create_engine("vllm", model_path=ckpt, max_model_len=256)
     probe = [[1, 2, 3, 4]]
     sampling = SamplingConfig(temperature=0.0, max_tokens=4)
@@ -103,8 +91,6 @@ def main():
 
     t_push = timed(lambda: engine.update_weights(iter_hf_tensors(model, config)), args.repeats)
     assert engine.generate(probe, sampling)[0].response_token_ids == reference  # same weights, same output
-    t_push_lazy = timed(lambda: engine.update_weights(lazy_transpose_pairs()), args.repeats)
-    assert engine.generate(probe, sampling)[0].response_token_ids == reference
 
     disk = os.path.join(workdir, "disk")
 
@@ -121,15 +107,12 @@ def main():
 
     gib = 2 ** 30
     rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
-            ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk),
-            ("convert, torch-side transpose views (proposed)", t_convert_lazy),
-            ("push, torch-side transpose views (proposed)", t_push_lazy)]
+            ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk)]
     print(f"\n| path | time (s) | GiB/s |\n|---|---|---|")
     for name, t in rows:
         print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")
     print(f"\nconvert / memcpy throughput: {t_memcpy / t_convert:.2f}x (target >= 0.8x)")
     print(f"push / disk throughput:      {t_disk / t_push:.2f}x (target >= 3x)")
-    print(f"proposed: convert / memcpy {t_memcpy / t_convert_lazy:.2f}x, push / disk {t_disk / t_push_lazy:.2f}x")
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 
