@@ -50,3 +50,14 @@ def test_library_code_is_gin_free():
                  if f.name not in GIN_ENTRY_POINTS or f.parent != PKG
                  if "gin" in imported_top_level_modules(f)]
     assert not offenders, f"library modules import gin: {offenders}"
+
+
+def test_engine_side_quantizer_does_not_pull_in_jax():
+    """SGLang's blockwise-FP8 mode imports convert.quantize inside the engine process: no JAX there."""
+    import subprocess
+    import sys
+
+    code = ("import sys, portable_rl.convert.quantize, portable_rl.engines; "
+            "bad = [m for m in ('jax', 'flax', 'optax') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
