@@ -24,14 +24,15 @@ WARMSTART_STREAM = 10_000_000  # task step offset: warm-start data never coincid
 def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny", steps: int = 250,
               batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0, max_positions: int = 64,
               warmup_steps: int = 30, schedule: str = "cosine", answer_noise: float = 0.0,
-              noise_offset: int = 1, progress: bool = True, size_overrides: Optional[dict] = None,
+              noise_kind: str = "suffix", noise_suffix: str = "0", noise_offset: int = 1, progress: bool = True, size_overrides: Optional[dict] = None,
               snapshot_steps: Sequence[int] = ()) -> str:
     """Writes the warm-started HF checkpoint to `output_dir` and returns it.
 
-    `answer_noise` > 0 imitates a sloppy teacher: that fraction of the (integer) answers is shown as
-    `answer + noise_offset` (a consistent mistake, e.g. overcounting by one). The policy then puts most
-    of its mass on the wrong answer (greedy decoding is mostly wrong) while the right one keeps the rest
-    (sampling often finds it): the situation RL with a verifiable reward is for.
+    `answer_noise` > 0 imitates a sloppy teacher: that fraction of the answers is shown with a consistent
+    mistake, `noise_kind="suffix"`: a stray `noise_suffix` after the answer ("85" → "850"), or
+    `noise_kind="offset"`: the integer answer + `noise_offset`. The policy then puts most of its mass on
+    the wrong form (greedy decoding is mostly wrong) while the right one keeps the rest (sampling often
+    finds it): the situation RL with a verifiable reward is for.
     With schedule="constant" the first k steps equal a k-step run, so `snapshot_steps` writes
     `<output_dir>_step<k>` copies to pick a stopping point.
     """
@@ -73,8 +74,8 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
             examples = task.train_batch(WARMSTART_STREAM + step, 0, batch_size)
             noisy = np.random.default_rng([seed, step, 99]).random(len(examples)) < answer_noise
             prompts = [codec.encode_prompt(e.prompt) for e in examples]
-            answers = [codec.encode_response(_shown_answer(e.answer, noise_offset if n else 0))
-                       for e, n in zip(examples, noisy)]
+            answers = [codec.encode_response(_shown_answer(e.answer, noise_kind, noise_suffix, noise_offset)
+                                             if n else e.answer) for e, n in zip(examples, noisy)]
             batch = pack_rollouts(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * len(answers),
                                   pad_id=codec.pad_id)
             batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
@@ -95,9 +96,11 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
     return str(output_dir)
 
 
-def _shown_answer(answer: str, offset: int) -> str:
-    if not offset:
-        return answer
+def _shown_answer(answer: str, kind: str, suffix: str, offset: int) -> str:
+    if kind == "suffix":
+        return answer + suffix
+    if kind != "offset":
+        raise ValueError(f"noise_kind={kind!r}; use 'suffix' or 'offset'")
     try:
         return str(int(answer) + offset)
     except ValueError:

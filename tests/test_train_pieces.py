@@ -74,3 +74,14 @@ def test_metrics_writer_truncates_rows_after_resume_step_and_plots(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     for p in write_plots(tmp_path):
         assert p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sloppy_teacher_answer_forms():
+    from portable_rl.warmstart import _shown_answer
+
+    assert _shown_answer("85", "suffix", "0", 1) == "850"
+    assert _shown_answer("85", "offset", "0", 1) == "86"
+    with pytest.raises(ValueError, match="integer"):
+        _shown_answer("x", "offset", "0", 1)
+    with pytest.raises(ValueError, match="noise_kind"):
+        _shown_answer("85", "swap", "0", 1)
