@@ -140,8 +140,13 @@ def main(configured_train: Callable = train):
     print(f"[train] done: {run_dir} (step {last.get('step')}, held-out accuracy {last.get('accuracy/heldout')})")
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`."""
     from portable_rl import gin_utils
 
     configured = gin_utils.register_configurable(train, name="train")
-    gin_utils.run(lambda: main(configured), description=__doc__.splitlines()[0])
+    gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    cli()

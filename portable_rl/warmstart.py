@@ -113,7 +113,12 @@ def main():
     gin.get_configurable("warmstart")()
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs the warm start."""
     from portable_rl import gin_utils
 
-    gin_utils.run(main, description=__doc__.splitlines()[0])
+    gin_utils.run(main, argv, description=__doc__.splitlines()[0])
+
+
+if __name__ == "__main__":
+    cli()
