@@ -33,7 +33,6 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
              chat_template: bool = False, seed: int = 0, report_path: Optional[str] = None) -> dict:
     """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON)."""
     from portable_rl.engines.base import SamplingConfig
-    from portable_rl.rl import vllm_cpu_fp8
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.evaluation import evaluate_examples
     from portable_rl.tasks import get_reward
@@ -73,7 +72,6 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
     examples = list(task.eval_examples())[:max_examples]
     sampling = SamplingConfig(temperature=temperature, n=n_samples, max_tokens=max_tokens,
                               seed=None if temperature == 0 else seed, stop_token_ids=(codec.eos_id,))
-    vllm_cpu_fp8.apply()
     engine = engine_factory(model_path=str(base))
     try:
         if orbax_dir is not None:

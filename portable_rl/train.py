@@ -42,7 +42,6 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.rl.metrics import MetricsWriter
     from portable_rl.rl.plots import write_plots
     from portable_rl.rl.rollout import collect_groups
-    from portable_rl.rl import vllm_cpu_fp8
     from portable_rl.rl.sync import push_weights, run_probe
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.tasks import get_reward
@@ -81,7 +80,6 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         summary, _ = evaluate_examples(engine, codec, held_out, reward_fn, greedy)
         return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
 
-    vllm_cpu_fp8.apply()  # fast CPU FP8 GEMM for an in-process vLLM engine (no-op without vLLM)
     engine = engine_factory(model_path=model_path)
     rows = []
     try:

@@ -38,6 +38,18 @@ def test_jax_side_never_imports_torch_world(subpackage):
     assert not {k: v for k, v in offenders.items() if v}
 
 
+def test_loop_reaches_torch_only_through_convert_and_engines():
+    """rl/ orchestrates both worlds, but only through convert/ (tensors) and engines/ (adapters).
+
+    transformers is allowed here for its tokenizers (rl/codec.py), which need no torch.
+    """
+    files = package_files("rl")
+    assert files, "portable_rl/rl has no python files"
+    offenders = {str(f.relative_to(PKG)): imported_top_level_modules(f) & (TORCH_WORLD - {"transformers"})
+                 for f in files}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
 def test_engines_never_import_jax_world():
     files = package_files("engines")
     assert files, "portable_rl/engines has no python files"

@@ -172,6 +172,10 @@ def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt,
         once = fp8.generate(PROMPTS, SAMPLING)
         fp8.update_weights(iter_hf_tensors(model, config))
         twice = fp8.generate(PROMPTS, SAMPLING)
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
+    from portable_rl.engines import vllm_cpu_fp8
+    # The adapter installed the CPU fast path, so these rollouts went through it.
+    assert ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm is vllm_cpu_fp8._rowwise_apply_scaled_mm
     assert [r.response_logprobs for r in once] == [r.response_logprobs for r in twice]
     # Pushing the checkpoint's own weights re-quantizes to what the engine loaded at start.
     assert [r.response_logprobs for r in once] == [r.response_logprobs for r in initial]

@@ -67,13 +67,11 @@ class SharedEngine:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from portable_rl.engines.registry import create_engine
-    from portable_rl.rl import vllm_cpu_fp8
 
     root = tmp_path_factory.mktemp("resume")
     task = ArithmeticTask(num_digits=1, num_eval=16, seed=0)
     model_path = warmstart(output_dir=str(root / "ws"), task=task, steps=80, batch_size=32,
                            learning_rate=3e-3, progress=False)
-    vllm_cpu_fp8.apply()
     engine = create_engine("vllm", model_path=model_path, engine_init_kwargs={"quantization": "fp8_per_channel"},
                            max_model_len=32)
     yield root, task, model_path, SharedEngine(engine)

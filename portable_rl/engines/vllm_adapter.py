@@ -109,6 +109,10 @@ class VLLMEngine(EngineAdapter):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
 
+        from portable_rl.engines import vllm_cpu_fp8
+
+        if _on_cpu():
+            vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
         self.model_path = str(model_path)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, seed=seed, enforce_eager=enforce_eager,

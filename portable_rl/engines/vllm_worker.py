@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from portable_rl.engines import vllm_cpu_fp8
+
+vllm_cpu_fp8.apply()  # this module is imported inside every vLLM worker process; a no-op off CPU tensors
+
 
 class PortableRLWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker: it has `model_runner`, `vllm_config`)."""

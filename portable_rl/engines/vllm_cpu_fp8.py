@@ -6,8 +6,9 @@ scalar-scale fp8 GEMM is a reference loop (~150 ms for a 32×128×384 product on
 row-wise-scale form (scale_a [M, 1], scale_b [1, N]) goes to oneDNN (~1 ms). This patch passes the
 real per-token / per-channel scales to `_scaled_mm` instead: the same formula, X and W still fp8,
 so rollouts keep their FP8 numerics (results agree with the original to fp32 rounding; see
-tests/test_train_fp8_patch.py). It changes nothing on GPU (only CPU tensors take the new path).
-TODO(engines): this belongs in portable_rl/engines/vllm_worker.py; it lives here until moved.
+tests/test_engines_vllm_cpu_fp8.py). It changes nothing on GPU (only CPU tensors take the new path).
+The vLLM adapter applies it before starting an in-process engine, and the worker extension module applies
+it on import, so a multiprocess engine's worker is patched too.
 """
 
 from __future__ import annotations

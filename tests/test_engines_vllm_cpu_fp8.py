@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 def test_rowwise_scaled_mm_matches_vllm_fallback():
     from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel as K
 
-    from portable_rl.rl import vllm_cpu_fp8
+    from portable_rl.engines import vllm_cpu_fp8
 
     original = getattr(K, "_portable_rl_original_apply_scaled_mm", K.apply_scaled_mm)
     g = torch.Generator().manual_seed(0)
