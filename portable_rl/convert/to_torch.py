@@ -13,10 +13,11 @@ Memory: `iter_hf_tensors` materialises one tensor at a time; `bucketed` holds at
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from portable_rl.convert.buckets import bucketed  # noqa: F401  (re-exported: pairs -> buckets)
 from portable_rl.convert.hf import cast_params
 from portable_rl.learner_jax.config import ModelConfig
 
@@ -37,20 +38,3 @@ def jax_to_torch(array) -> torch.Tensor:
     Do not donate `array` to a jitted function afterwards: that would free memory torch still reads.
     """
     return torch.from_dlpack(array)
-
-
-def bucketed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Groups consecutive pairs into lists of at most `bucket_bytes` (a larger tensor gets its own list)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in pairs:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

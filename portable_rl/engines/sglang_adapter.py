@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
                                       flatten_named_tensors)
+from portable_rl.convert.buckets import bucketed
 from portable_rl.engines.registry import register
 
 FP8_MODES = (None, "flash_rl", "blockwise")
@@ -47,20 +48,6 @@ def _ok(reply: Any) -> tuple[bool, str]:
     if isinstance(reply, tuple):
         return bool(reply[0]), str(reply[1]) if len(reply) > 1 else ""
     return bool(getattr(reply, "success", reply)), str(getattr(reply, "message", ""))
-
-
-def bucket_by_bytes(pairs: Iterable, bucket_bytes: int) -> Iterator[list]:
-    """Groups (name, tensor) pairs into lists of at most `bucket_bytes` (a larger tensor gets its own)."""
-    bucket, size = [], 0
-    for name, tensor in pairs:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 @register("sglang")
@@ -150,7 +137,7 @@ class SGLangEngine(EngineAdapter):
             pairs = quantize_named_tensors_blockwise(pairs)
         self._check(engine.begin_weight_update(), "begin_weight_update")
         try:
-            for bucket in bucket_by_bytes(pairs, self.bucket_bytes):
+            for bucket in bucketed(pairs, self.bucket_bytes):
                 self._check(engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                             "update_weights_from_tensor")
         finally:
