@@ -27,7 +27,8 @@ from portable_rl.learner_jax.config import ModelConfig
 
 
 class RMSNorm(nnx.Module):
-    """HF RMSNorm: normalise in float32, cast to the compute dtype, then multiply by the gain."""
+    """RMSNorm in float32 (normalise, times the gain); the output is cast to the compute dtype
+    because it only feeds matmuls."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype, compute_dtype):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -37,7 +38,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):  # [..., dim]
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...].astype(self.compute_dtype) * y.astype(self.compute_dtype)
+        return (self.scale[...].astype(jnp.float32) * y).astype(self.compute_dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> jnp.ndarray:
@@ -63,8 +64,62 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x, cos, sin):  # x [B, T, N, H], cos/sin [B, T, H]
-    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+def apply_rope(x, cos, sin):  # x [B, T, N, H], cos/sin [B, T, H] float32; rotation in float32
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos[:, :, None, :] + rotate_half(x32) * sin[:, :, None, :]).astype(x.dtype)
+
+
+_MASKED = -1e30  # finite: a row with no visible key gets a uniform softmax, never NaN
+
+
+def _grouped(q, num_kv_heads):  # [B, T, N, H] -> [B, T, K, G, H], G = N // K query heads per kv head
+    B, T, N, H = q.shape
+    return q.reshape(B, T, num_kv_heads, N // num_kv_heads, H)
+
+
+def _attention_probs(q, k, mask):  # -> probs [B, K, G, T, S] float32
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("btkgh,bskh->bkgts", _grouped(q, k.shape[2]), k,
+                        preferred_element_type=jnp.float32) * scale          # [B, K, G, T, S] f32
+    scores = jnp.where(mask[:, :, None], scores, _MASKED)                    # mask [B, 1, 1, T, S]
+    return jax.nn.softmax(scores, axis=-1)
+
+
+@jax.custom_vjp
+def attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(H) + mask) v with GQA; q [B, T, N, H], k/v [B, S, K, H], mask [B, 1, T, S].
+
+    Matmul inputs are in q's dtype (bf16 compute) with float32 accumulation; scores, softmax and the
+    softmax backward are float32. Why a custom VJP: with autodiff through a bf16 P·V matmul the
+    probability cotangent dP = dO V^T is rounded to bf16 before dS = P (dP - rowsum(P dP)), and that
+    difference of nearly equal numbers loses most of its bits (q/k gradients off by tens of %).
+    Here dP stays float32, as in flash-attention's backward.
+    """
+    return _attention_fwd(q, k, v, mask)[0]
+
+
+def _attention_fwd(q, k, v, mask):
+    probs = _attention_probs(q, k, mask).astype(v.dtype)                     # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype), (q, k, v, mask, probs)
+
+
+def _attention_bwd(res, d_out):  # d_out [B, T, N, H]
+    q, k, v, mask, probs = res
+    dt = v.dtype
+    d_out = _grouped(d_out, k.shape[2]).astype(dt)                           # [B, T, K, G, H]
+    d_v = jnp.einsum("bkgts,btkgh->bskh", probs, d_out, preferred_element_type=jnp.float32)
+    d_probs = jnp.einsum("btkgh,bskh->bkgts", d_out, v, preferred_element_type=jnp.float32)  # f32
+    p = probs.astype(jnp.float32)
+    d_scores = p * (d_probs - jnp.sum(p * d_probs, axis=-1, keepdims=True))  # softmax backward, f32
+    d_scores = (d_scores * (1.0 / math.sqrt(q.shape[-1]))).astype(dt)      # masked entries: p = 0
+    d_q = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
+    d_k = jnp.einsum("bkgts,btkgh->bskh", d_scores, _grouped(q, k.shape[2]),
+                     preferred_element_type=jnp.float32)
+    return (d_q.reshape(q.shape).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class Attention(nnx.Module):
@@ -92,9 +147,7 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # XLA attention: logits and softmax in float32, GQA by head grouping, rows with no
-        # visible key (left padding) get a finite uniform softmax instead of NaN.
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, T, N, H]
+        out = attention(q, k, v, mask)                                     # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -119,9 +172,9 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         self.mlp = MLP(config, **dtypes, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.attn(self.input_norm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attn_norm(x))
+    def __call__(self, x, cos, sin, mask):  # x [B, T, D] float32 residual stream
+        x = x + self.attn(self.input_norm(x), cos, sin, mask).astype(jnp.float32)
+        return x + self.mlp(self.post_attn_norm(x)).astype(jnp.float32)
 
 
 def _apply_layer(layer, x, cos, sin, mask):
@@ -146,7 +199,7 @@ class Transformer(nnx.Module):
         self.remat = remat
         self.param_dtype, self.compute_dtype = jnp.dtype(param_dtype), jnp.dtype(compute_dtype)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
-        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=compute_dtype,
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=param_dtype,
                                param_dtype=param_dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
         self.layers = nnx.List([DecoderLayer(config, **dtypes, rngs=rngs)
@@ -165,11 +218,12 @@ class Transformer(nnx.Module):
         positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)             # [B, T]
         freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B, T, H/2]
         angles = jnp.concatenate([freqs, freqs], axis=-1)                      # [B, T, H]
-        cos, sin = jnp.cos(angles).astype(self.compute_dtype), jnp.sin(angles).astype(self.compute_dtype)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)                            # [B, T, H] float32
         causal = jnp.tril(jnp.ones((T, T), bool))
         mask = causal[None, None] & valid[:, None, None, :]                    # [B, 1, T, T]
 
-        x = self.embed(input_ids)                                              # [B, T, D]
+        # Residual stream in float32: bf16 only at matmul inputs (norm outputs) and outputs.
+        x = self.embed(input_ids).astype(jnp.float32)                          # [B, T, D] f32
         apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
             x = apply(layer, x, cos, sin, mask)
