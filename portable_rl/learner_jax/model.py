@@ -99,8 +99,8 @@ def attention(q, k, v, mask):
 
 
 def _attention_fwd(q, k, v, mask):
-    probs = _attention_probs(q, k, mask).astype(v.dtype)                     # [B, K, G, T, S]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    probs = _attention_probs(q, k, mask)                                     # [B, K, G, T, S] f32
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(q.shape).astype(q.dtype), (q, k, v, mask, probs)
 
 
@@ -108,10 +108,10 @@ def _attention_bwd(res, d_out):  # d_out [B, T, N, H]
     q, k, v, mask, probs = res
     dt = v.dtype
     d_out = _grouped(d_out, k.shape[2]).astype(dt)                           # [B, T, K, G, H]
-    d_v = jnp.einsum("bkgts,btkgh->bskh", probs, d_out, preferred_element_type=jnp.float32)
+    d_v = jnp.einsum("bkgts,btkgh->bskh", probs.astype(dt), d_out, preferred_element_type=jnp.float32)
     d_probs = jnp.einsum("btkgh,bskh->bkgts", d_out, v, preferred_element_type=jnp.float32)  # f32
-    p = probs.astype(jnp.float32)
-    d_scores = p * (d_probs - jnp.sum(p * d_probs, axis=-1, keepdims=True))  # softmax backward, f32
+    # softmax backward in f32 with f32 probs (rows sum to 1, so the difference below cancels exactly)
+    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
     d_scores = (d_scores * (1.0 / math.sqrt(q.shape[-1]))).astype(dt)      # masked entries: p = 0
     d_q = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
     d_k = jnp.einsum("bkgts,btkgh->bskh", d_scores, _grouped(q, k.shape[2]),
