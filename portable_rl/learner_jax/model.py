@@ -5,13 +5,15 @@
   x_{l+1} = h + W_down(silu(W_gate n(h)) * W_up n(h))                     (SwiGLU)
   logits  = final_norm(x_L) @ W_lm_head   (W_lm_head = embed^T when tied), float32
 
-n(.) is RMSNorm: x * rsqrt(mean(x^2) + eps) computed in float32, cast back, times a learned gain.
+n(.) is RMSNorm: gain * x * rsqrt(mean(x^2) + eps) in float32, cast to the compute dtype.
 RoPE uses HF's rotate_half convention: q' = q cos + rotate_half(q) sin, with the two halves of
 head_dim holding the same frequencies. Attention is causal and ignores padded keys; positions are
 cumsum(attention_mask) - 1, so left- and right-padded rows see the same positions as unpadded ones.
 
 Parameters are stored in `param_dtype` (default float32 master weights) and cast to `compute_dtype`
-(default bfloat16) for matmuls; attention softmax, norms and the logits are float32.
+(default bfloat16) for matmuls (float32 accumulation). The residual stream, norms, RoPE, attention
+softmax and its backward, and the logits are float32: bf16 RoPE and a bf16 softmax backward biased
+bf16-compute gradients (docs/models.md, "bf16 gradients").
 Kernels are [in, out] (HF stores [out, in]; `convert/mapping.py` transposes).
 """
 
