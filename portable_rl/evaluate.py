@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _orbax_dir(checkpoint: Path) -> Optional[Path]:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: tensors pass by reference
+# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
@@ -88,6 +90,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
             push_weights(engine, model, model_config, sync_bucket_mb)
         else:
             rows.append(writer.write(0, {**heldout_accuracy(), "time/sync": time.perf_counter() - t_sync}))
+        last_heldout = rows[-1]["accuracy/heldout"] if rows else float("nan")
         bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
                    desc="train", disable=not progress, dynamic_ncols=True)
         for step in bar:
@@ -115,7 +118,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
             m.update({"time/generate": t1 - t0, "time/logprob": t2 - t1, "time/train": t3 - t2,
                       "time/sync": t4 - t3, "time/step": time.perf_counter() - t0})
             rows.append(writer.write(step, m))
-            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", acc=f"{m.get('accuracy/heldout', float('nan')):.2f}")
+            last_heldout = m.get("accuracy/heldout", last_heldout)
+            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
             if step % checkpoint_every == 0 or step == train_steps:
                 ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)},
                            rng=jax.random.key(seed))

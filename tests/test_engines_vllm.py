@@ -221,3 +221,18 @@ def test_push_equals_fresh_engine_other_families(family, tmp_path):
     assert [r.response_token_ids for r in after_push] == [r.response_token_ids for r in from_disk]
     assert [r.response_logprobs for r in after_push] == [r.response_logprobs for r in from_disk]
     assert result.n_tokens > 0
+
+
+def test_only_expected_reload_warnings_are_dropped():
+    import logging
+
+    from portable_rl.engines.vllm_adapter import _ExpectedReloadWarnings
+
+    def record(layer):
+        return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", logging.WARNING, __file__,
+                                 1, "%s: Failed to load weights", (layer,), None)
+
+    keep = _ExpectedReloadWarnings().filter
+    assert not keep(record("RotaryEmbedding")) and not keep(record("ParallelLMHead"))
+    assert keep(record("QKVParallelLinear"))  # a projection that got no weights must stay visible
+    assert keep(logging.LogRecord("x", logging.WARNING, __file__, 1, "something else", (), None))

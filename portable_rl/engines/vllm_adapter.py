@@ -88,6 +88,31 @@ def check_named_tensors(pairs: list, expected: dict[str, tuple[int, ...]], optio
             + ". Push every HF-named tensor of the model (check convert/mapping.py for this family).")
 
 
+class _ExpectedReloadWarnings:
+    """Drops vLLM's "<Layer>: Failed to load weights" warning for layers that own no checkpoint weights.
+
+    The layerwise reload warns for every layer that received no tensor but had some before: the rotary
+    embedding (its cos/sin cache is a buffer, not a weight) and a tied lm_head (shares the embedding).
+    Both are expected on every sync; any other layer's warning still shows, since it would mean a
+    missing weight.
+    """
+
+    EXPECTED = ("RotaryEmbedding", "ParallelLMHead")
+
+    def filter(self, record) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        return not any(str(record.args[0]).endswith(name) for name in self.EXPECTED)
+
+
+def _quiet_expected_reload_warnings() -> None:
+    import logging
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(_ExpectedReloadWarnings())
+
+
 def _destroy_parallel_state() -> None:
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
@@ -111,6 +136,7 @@ class VLLMEngine(EngineAdapter):
 
         from portable_rl.engines import vllm_cpu_fp8
 
+        _quiet_expected_reload_warnings()
         if _on_cpu():
             vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
         self.model_path = str(model_path)
