@@ -60,7 +60,7 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
         restored_step = step if step is not None else ckpts.latest_step()
         if restored_step is None:
             raise FileNotFoundError(f"no committed checkpoint in {orbax_dir}")
-        extra = _checkpoint_extra(orbax_dir, restored_step)
+        extra = ckpts.read_extra(restored_step)
         base = Path(model_path or extra.get("model_path", ""))
         if not (base / "config.json").exists():
             raise FileNotFoundError(f"base HF checkpoint {base} not found; set MODEL_PATH (the run's starting "
@@ -95,16 +95,6 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
     print(format_table(report))
     print(f"[evaluate] report: {report_path}")
     return report
-
-
-def _checkpoint_extra(orbax_dir: Path, step: int) -> dict:
-    """The JSON `extra` the trainer saved with the checkpoint (it names the base HF checkpoint)."""
-    for meta in sorted((orbax_dir / str(step) / "meta").glob("*")):
-        try:
-            return json.loads(meta.read_text()).get("extra", {})
-        except (OSError, ValueError, AttributeError):
-            continue
-    return {}
 
 
 def format_table(report: dict) -> str:

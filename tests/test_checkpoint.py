@@ -73,7 +73,10 @@ def test_model_only_restore_and_errors(tmp_path):
     ckpt = Checkpointer(tmp_path)
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         ckpt.restore(model)
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        ckpt.read_extra()
     ckpt.save(5, model, extra={"a": 1})          # model only, no rng
+    assert ckpt.read_extra() == ckpt.read_extra(5) == {"a": 1}  # without building or loading a model
     other, other_opt = fresh(3)
     with pytest.raises(ValueError, match="no optimizer state"):
         ckpt.restore(other, other_opt)

@@ -97,14 +97,25 @@ class Checkpointer:
         tmp.write_text(json.dumps({"step": step}) + "\n")
         os.replace(tmp, marker)
 
-    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,
-                step: int | None = None) -> Restored:
-        """Loads `step` (default: the latest committed one) into `model` / `optimizer` in place."""
+    def _committed_step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
         if step is None or step not in self.all_steps():
             raise FileNotFoundError(f"no committed checkpoint {'' if step is None else step} in "
                                     f"{self.directory}; train from scratch or pass an existing step")
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return step
+
+    def _meta(self, step: int) -> dict:
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def read_extra(self, step: int | None = None) -> dict:
+        """The JSON `extra` saved with `step` (default: the latest committed one); loads no arrays."""
+        return self._meta(self._committed_step(step))["extra"]
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *,
+                step: int | None = None) -> Restored:
+        """Loads `step` (default: the latest committed one) into `model` / `optimizer` in place."""
+        step = self._committed_step(step)
+        meta = self._meta(step)
         if optimizer is not None and not meta["has_optimizer"]:
             raise ValueError(f"checkpoint {step} has no optimizer state; restore with optimizer=None")
         modules = {"model": (model, nnx.Param)}
