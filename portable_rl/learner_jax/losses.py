@@ -31,13 +31,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from portable_rl.tis.ratios import SAFETY_BOUND as _LOG_RATIO_BOUND
+from portable_rl.tis.ratios import masked_max, masked_mean as _masked_mean
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MODES = ("decoupled", "bypass")
-_LOG_RATIO_BOUND = 20.0
-
-
-def _masked_mean(values, mask):
-    return jnp.where(mask, values, 0.0).sum() / jnp.maximum(mask.sum().astype(jnp.float32), 1.0)
 
 
 def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm_constant=None):
@@ -134,7 +132,7 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollou
         "approx_kl": jax.lax.stop_gradient(_masked_mean(-log_ratio, mask)),
         "approx_kl_k3": jax.lax.stop_gradient(_masked_mean(ratio - 1.0 - log_ratio, mask)),
         "ratio_mean": jax.lax.stop_gradient(_masked_mean(ratio, mask)),
-        "ratio_max": jax.lax.stop_gradient(jnp.where(mask.any(), jnp.where(mask, ratio, -jnp.inf).max(), 0.0)),
+        "ratio_max": jax.lax.stop_gradient(masked_max(ratio, mask)),
         "correction_weight_mean": _masked_mean(weight, mask),
     }
     return loss, metrics
