@@ -21,7 +21,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
