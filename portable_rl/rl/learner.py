@@ -46,9 +46,13 @@ class Learner:
         self._correct = jax.jit(functools.partial(tis.apply_rollout_correction, correction))
         self._train_step = make_train_step(make_loss_fn(cfg, temperature))
 
+    def logprobs(self, input_ids, attention_mask) -> np.ndarray:
+        """[B, T] logprobs of the current policy at the rollout temperature (entry t: token t given < t)."""
+        return np.asarray(self._logprobs(self.model, input_ids, attention_mask))
+
     def old_logprobs(self, batch: dict) -> np.ndarray:
         """[B, T] logprobs of the current (pre-update) policy, computed mini-batch by mini-batch."""
-        parts = [np.asarray(self._logprobs(self.model, mb["input_ids"], mb["attention_mask"]))
+        parts = [self.logprobs(mb["input_ids"], mb["attention_mask"])
                  for mb in split_rows(batch, self.cfg.rows_per_minibatch)]
         return np.concatenate(parts) * batch["response_mask"]
 

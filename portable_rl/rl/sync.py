@@ -9,7 +9,6 @@ Probe: the engine samples a fixed probe batch with a fixed seed; the learner sco
 
 from __future__ import annotations
 
-import numpy as np
 
 from portable_rl.convert.to_torch import bucketed, iter_hf_tensors
 from portable_rl.engines import probe as probe_lib
@@ -28,7 +27,7 @@ def learner_reference_fn(learner, pad_id: int):
         rows = len(prompts)
         batch = pack_rollouts(prompts, responses, [[0.0] * len(r) for r in responses], [0.0] * rows,
                               pad_id=pad_id, row_multiple=max(rows, 1))
-        logp = np.asarray(learner._logprobs(learner.model, batch["input_ids"], batch["attention_mask"]))
+        logp = learner.logprobs(batch["input_ids"], batch["attention_mask"])
         return [logp[i, len(p):len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses))]
     return reference
 
