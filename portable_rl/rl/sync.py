@@ -9,7 +9,6 @@ Probe: the engine samples a fixed probe batch with a fixed seed; the learner sco
 
 from __future__ import annotations
 
-
 from portable_rl.convert.to_torch import bucketed, iter_hf_tensors
 from portable_rl.engines import probe as probe_lib
 from portable_rl.rl.batching import pack_rollouts
