@@ -102,7 +102,6 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
                 m.update(batch_stats)
                 m.update(learner.correct(batch))
-                jax.block_until_ready(batch["old_logprobs"])
                 t2 = time.perf_counter()
                 m.update(learner.update(batch))
             else:  # every group had equal rewards in every draw: nothing to learn from this step
