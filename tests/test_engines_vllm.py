@@ -13,7 +13,6 @@ headroom for other CPUs while staying well below what a real bug gives (the wron
 stale-weight checks below produce ≥ 0.3, measured 1.0–2.5).
 """
 
-import os
 
 import numpy as np
 import pytest
@@ -110,15 +109,20 @@ def test_bf16_logprobs_match_learner_at_temperature(bf16_engine, learner):
     assert rollout_mismatch(model, rollouts, 1.0).max_abs_diff > 3 * BF16_MAX_ABS_DIFF
 
 
+def perturbed(model, seed):
+    """A copy of `model` with every parameter moved by 0.05 · N(0, 1) noise (a stand-in for training)."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
 @pytest.fixture(scope="module")
 def pushed(bf16_engine, learner, tmp_path_factory):
     """Perturbs the learner's params, checks the stale engine fails the probe, pushes, saves a checkpoint."""
     model, config = learner
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    new_model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    new_model = perturbed(model, seed=1)
     stale_error = None
     try:
         run_probe(bf16_engine, PROMPTS, reference_fn(new_model, 1.0), threshold=BF16_MAX_ABS_DIFF)
@@ -205,11 +209,7 @@ def test_push_equals_fresh_engine_other_families(family, tmp_path):
     """Untied heads, qk-norm (qwen3) and llama3 rope scaling go through the same push path."""
     ckpt = make_tiny_checkpoint(tmp_path / family, family)
     model, config = load_hf_model(ckpt)
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    new_model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    new_model = perturbed(model, seed=2)
     saved = save_hf_model(new_model, config, tmp_path / "saved")
     copy_tokenizer_files(ckpt, saved)
     with create_engine("vllm", model_path=ckpt) as engine:
