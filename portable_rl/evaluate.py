@@ -109,16 +109,12 @@ def format_table(report: dict) -> str:
     return "\n".join([line, *body, line])
 
 
-def main(configured_evaluate: Callable = evaluate):
-    configured_evaluate()
-
-
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `evaluate`."""
     from portable_rl import gin_utils
 
     configured = gin_utils.register_configurable(evaluate, name="evaluate")
-    gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])
+    gin_utils.run(configured, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
