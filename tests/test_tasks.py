@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from portable_rl.tasks import (ArithmeticTask, MathDatasetTask, available_rewards, get_reward,
-                               read_examples, register_reward)
+from portable_rl.tasks import (ArithmeticTask, DatasetError, MathDatasetTask, UnknownRewardError,
+                               available_rewards, data_metrics, get_reward, read_examples, register_reward)
 
 
 def test_arithmetic_is_deterministic_and_seed_dependent():
@@ -72,9 +72,38 @@ def test_math_dataset_errors_name_the_fix(tmp_path):
         read_examples(tmp_path / "missing.jsonl")
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"question": "1+1", "answer": "2"}))
-    with pytest.raises(KeyError, match="prompt_key"):
-        read_examples(p)
+    with pytest.raises(DatasetError, match="no usable row.*'question'.*set prompt_key / answer_key"):
+        read_examples(p)  # every row lacks the configured column: a config error, not skipped rows
     assert read_examples(p, prompt_key="question", answer_key="answer")[0].answer == "2"
+    with pytest.raises(DatasetError, match="num_eval"):
+        MathDatasetTask(train_path=str(p), prompt_key="question", answer_key="answer", num_eval=5)
+    with pytest.raises(DatasetError, match="prompt_template"):
+        MathDatasetTask(train_path=str(p), prompt_key="question", answer_key="answer", num_eval=0,
+                        prompt_template="{question} Box it.")
+    with pytest.raises(UnknownRewardError, match="unknown reward 'nope'.*exact_match"):
+        MathDatasetTask(train_path=str(p), prompt_key="question", answer_key="answer", num_eval=0, reward="nope")
+
+
+def test_math_dataset_skips_and_counts_malformed_rows(tmp_path):
+    good = _dapo_rows(12)
+    bad = ["{not json", json.dumps([1, 2]), json.dumps({"prompt": "no answer"}),
+           json.dumps({"prompt": None, "reward_model": {"ground_truth": "1"}}),
+           json.dumps({"prompt": "  ", "reward_model": {"ground_truth": "1"}}),
+           json.dumps({"prompt": "q", "reward_model": {"ground_truth": ""}}),
+           json.dumps({"prompt": 17, "reward_model": {"ground_truth": "1"}})]
+    lines = [json.dumps(r) for r in good]
+    lines[3:3] = bad  # malformed rows in the middle of the file
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(lines) + "\n\n")
+    task = MathDatasetTask(train_path=str(p), num_eval=2, reward="exact_match")
+    assert task.skipped_rows == len(bad)
+    assert task.skipped_reasons == {"bad_prompt": 1, "empty_answer": 1, "empty_prompt": 1, "invalid_json": 1,
+                                    "missing_answer": 1, "missing_prompt": 1, "not_an_object": 1}
+    assert [e.answer for e in task.eval_examples()] == ["20", "22"]  # the good rows, in order
+    assert len({e.prompt for e in task.train_batch(0, 0, 64)}) == 10
+    metrics = data_metrics(task)
+    assert metrics["data/skipped_rows"] == 7 and metrics["data/skipped/invalid_json"] == 1
+    assert data_metrics(ArithmeticTask()) == {}
 
 
 def test_rewards_registry_and_scoring():
@@ -86,7 +115,9 @@ def test_rewards_registry_and_scoring():
     assert mv("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
     assert mv("\\boxed{35}", "34") == 0.0
     assert mv("no idea", "34") == 0.0
-    with pytest.raises(KeyError, match="registered"):
+    with pytest.raises(KeyError, match="unknown reward 'nope'; set the task's reward to one of exact_match"):
         get_reward("nope")
+    with pytest.raises(UnknownRewardError, match="math_verify"):
+        ArithmeticTask(reward="exact")
     with pytest.raises(ValueError, match="already"):
         register_reward("exact_match")(lambda r, a: 0.0)

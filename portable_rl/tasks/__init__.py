@@ -5,10 +5,10 @@ A task yields `Example(prompt, answer)` text pairs; the entry points tokenize th
 This package never imports torch.
 """
 
-from portable_rl.tasks.base import Example, Task
+from portable_rl.tasks.base import Example, Task, data_metrics
 from portable_rl.tasks.arithmetic import ArithmeticTask
-from portable_rl.tasks.math_dataset import MathDatasetTask, read_examples
-from portable_rl.tasks.rewards import available_rewards, get_reward, register_reward
+from portable_rl.tasks.math_dataset import DatasetError, MathDatasetTask, read_dataset, read_examples
+from portable_rl.tasks.rewards import UnknownRewardError, available_rewards, get_reward, register_reward
 
-__all__ = ["Example", "Task", "ArithmeticTask", "MathDatasetTask", "read_examples",
-           "available_rewards", "get_reward", "register_reward"]
+__all__ = ["Example", "Task", "data_metrics", "ArithmeticTask", "DatasetError", "MathDatasetTask", "read_dataset",
+           "read_examples", "UnknownRewardError", "available_rewards", "get_reward", "register_reward"]

@@ -14,6 +14,7 @@ import operator
 import numpy as np
 
 from portable_rl.tasks.base import Example
+from portable_rl.tasks.rewards import get_reward
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _EVAL_STREAM = 2**31 - 1  # rng stream id for the held-out set (train streams use step >= 0)
@@ -29,6 +30,7 @@ class ArithmeticTask:
     name: str = "arithmetic"
 
     def __post_init__(self):
+        get_reward(self.reward)  # an unknown reward name fails here, before any model is loaded
         bad = set(self.ops) - set(_OPS)
         if not self.ops or bad:
             raise ValueError(f"ops={self.ops!r} has unsupported operators {sorted(bad)}; use a subset of '+-*'")

@@ -24,3 +24,12 @@ class Task(Protocol):
     def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]: ...
 
     def eval_examples(self) -> Sequence[Example]: ...
+
+
+def data_metrics(task) -> dict[str, int]:
+    """Metrics-row entries for the malformed rows a task skipped while reading its files:
+    `data/skipped_rows` and `data/skipped/<reason>`; {} for tasks that generate their data."""
+    if not hasattr(task, "skipped_rows"):
+        return {}
+    return {"data/skipped_rows": int(task.skipped_rows),
+            **{f"data/skipped/{reason}": int(n) for reason, n in getattr(task, "skipped_reasons", {}).items()}}

@@ -14,6 +14,11 @@ RewardFn = Callable[[str, str], float]
 _REWARDS: dict[str, RewardFn] = {}
 
 
+class UnknownRewardError(KeyError):
+    def __str__(self):  # KeyError would quote the message
+        return str(self.args[0])
+
+
 def register_reward(name: str):
     def wrap(fn: RewardFn) -> RewardFn:
         if name in _REWARDS:
@@ -25,7 +30,8 @@ def register_reward(name: str):
 
 def get_reward(name: str) -> RewardFn:
     if name not in _REWARDS:
-        raise KeyError(f"unknown reward {name!r}; registered: {available_rewards()}")
+        raise UnknownRewardError(f"unknown reward {name!r}; set the task's reward to one of "
+                                 f"{', '.join(available_rewards())} (or register_reward a new one)")
     return _REWARDS[name]
 
 
