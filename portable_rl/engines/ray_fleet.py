@@ -1,0 +1,299 @@
+"""A fleet of rollout engines on Ray: N actors, each holding any registered adapter, behind one `EngineAdapter`.
+
+    fleet = create_engine("ray_fleet", engine="vllm", engine_kwargs={...}, model_path=ckpt,
+                          num_engines=2, resources_per_engine={"num_gpus": 1}, address=None)
+
+Each engine is a Ray actor (`EngineHost`) that builds its adapter with `registry.create_engine(engine, ...)`,
+so in-tree and out-of-tree adapters work alike. The driver (the trainer) never imports vLLM.
+
+Rollouts. `generate` splits the batch into contiguous shards, one per engine, and concatenates the results
+in prompt-major order with global `prompt_index`. Seeds: the in-tree adapters give prompt i of a batch the
+seeds `seed + i*n ... seed + i*n + n-1`, so shard k, starting at prompt s_k, is sent `seed + s_k*n`: every
+prompt gets the seeds it would get from one engine holding the whole batch, and the fleet's output does
+not depend on the number of engines (up to batch-composition effects on the logits; measured equal in
+tests/test_engines_ray.py).
+
+Weights. `update_weights` packs each bucket ONCE into the object store (every tensor made contiguous and
+stored as raw bytes, which Ray keeps as a zero-copy numpy buffer in shared memory), then every actor reads
+the same refs — on one node all actors map the same bytes — and makes its adapter's single
+`update_weights` call. The refs of the last push stay in the store: they are how a restarted engine gets
+the current weights back.
+
+Faults. If an actor dies (process killed, node lost) during `generate`, `update_weights`, `sleep` or
+`wake_up`, the fleet starts a replacement on the same checkpoint, re-pushes the last pushed weights, and
+retries that engine's share; the call returns normally. `restarts` counts replacements.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Sequence
+
+from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
+                                      flatten_named_tensors)
+from portable_rl.engines.registry import create_engine, register
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+# The engine runs inside the actor's own process: the in-process vLLM engine there (no extra engine-core
+# process), so weights read from the object store reach the worker by reference.
+ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def shard_bounds(num_prompts: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, sizes differing by at most one; no empty shards."""
+    base, extra = divmod(num_prompts, num_shards)
+    bounds, start = [], 0
+    for k in range(num_shards):
+        end = start + base + (k < extra)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def shard_sampling(sampling: SamplingConfig, start: int) -> SamplingConfig:
+    """The sampling config for a shard starting at global prompt `start` (seed offset start·n)."""
+    if sampling.seed is None:
+        return sampling
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=sampling.seed + start * sampling.n)
+
+
+def pack_bucket(pairs) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """(name, tensor) pairs → (name, dtype, shape, uint8 numpy bytes); a non-contiguous view is copied once."""
+    import torch
+
+    packed = []
+    for name, tensor in pairs:
+        t = tensor.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # [numel · itemsize], shares memory with t
+        packed.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), raw))
+    return packed
+
+
+def unpack_bucket(packed) -> list[tuple[str, Any]]:
+    """Inverse of `pack_bucket`, zero-copy: tensors view the (read-only) object-store buffers."""
+    import torch
+
+    pairs = []
+    with warnings.catch_warnings():  # "non-writable array": the engine's weight loaders only read them
+        warnings.simplefilter("ignore", UserWarning)
+        for name, dtype, shape, raw in packed:
+            pairs.append((name, torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)))
+    return pairs
+
+
+def _buckets(named_tensors: NamedTensors, bucket_bytes: int):
+    """Re-groups pairs (or buckets of pairs) into buckets of about `bucket_bytes`."""
+    bucket, size = [], 0
+    for name, tensor in flatten_named_tensors(named_tensors):
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class EngineHost:
+    """The Ray actor: one adapter in its own process. Methods mirror `EngineAdapter`."""
+
+    def __init__(self, engine: str, engine_kwargs: dict[str, Any], env: dict[str, str]):
+        os.environ.update(env)  # before the adapter imports its engine
+        self.engine = create_engine(engine, **engine_kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def attribute(self, name: str):
+        return getattr(self.engine, name, None)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Rollout]:
+        return self.engine.generate(prompts, sampling)
+
+    def update_weights(self, bucket_refs: list) -> int:
+        import ray
+
+        buckets = ray.get(list(bucket_refs))  # refs nested in a list are not resolved by Ray itself
+        pairs = [pair for packed in buckets for pair in unpack_bucket(packed)]
+        self.engine.update_weights(pairs)  # the adapter's one full sync
+        return len(pairs)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@register("ray_fleet")
+class RayEngineFleet(EngineAdapter):
+    """`num_engines` Ray actors running `engine` with `engine_kwargs`; see the module docstring."""
+
+    def __init__(self, *, engine: str = "vllm", engine_kwargs: dict[str, Any] | None = None,
+                 model_path: str | None = None, num_engines: int = 1,
+                 resources_per_engine: dict[str, Any] | None = None, address: str | None = None,
+                 runtime_env: dict[str, Any] | None = None, ray_init_kwargs: dict[str, Any] | None = None,
+                 max_restarts: int = 3, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        import ray
+
+        if num_engines < 1:
+            raise ValueError(f"num_engines={num_engines} must be >= 1")
+        if engine == "ray_fleet":
+            raise ValueError("engine='ray_fleet' would nest fleets; name the adapter each actor runs, e.g. 'vllm'")
+        self.engine_name = engine
+        self.engine_kwargs = dict(engine_kwargs or {})
+        if model_path is not None:  # train.py passes the checkpoint as model_path=
+            self.engine_kwargs["model_path"] = str(model_path)
+        self.resources_per_engine = dict({"num_cpus": 1} if resources_per_engine is None else resources_per_engine)
+        self.runtime_env = runtime_env
+        self.max_restarts = max_restarts
+        self.bucket_bytes = bucket_bytes
+        self.restarts = 0
+        self._actors: list = []
+        self._weight_refs: list | None = None  # the last push, kept for restarted engines
+        self._weights_known = True  # False after a push failed half-way: a restart could not recover them
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, **(ray_init_kwargs or {}))
+        self._actor_cls = ray.remote(EngineHost)
+        try:
+            self._actors = [self._spawn() for _ in range(num_engines)]
+            ray.get([a.pid.remote() for a in self._actors])  # engines start in parallel; wait for all
+            self.quantization = ray.get(self._actors[0].attribute.remote("quantization"))
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------------------- actors
+    def _spawn(self):
+        options = dict(self.resources_per_engine)
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        return self._actor_cls.options(**options).remote(self.engine_name, self.engine_kwargs, ACTOR_ENV)
+
+    def _restart(self, i: int) -> None:
+        """Replaces actor i: a fresh engine on the checkpoint, then the last pushed weights."""
+        import ray
+
+        if not self._weights_known:
+            raise RuntimeError(f"engine {i} died, and the last weight push did not complete, so the fleet has no "
+                               "copy of the weights to restore; push the weights again before generating")
+        try:
+            ray.kill(self._actors[i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        actor = self._spawn()
+        self._actors[i] = actor
+        self.restarts += 1
+        ray.get(actor.pid.remote())
+        if self._weight_refs:
+            ray.get(actor.update_weights.remote(self._weight_refs))
+
+    def _get(self, i: int, ref, method: str, *args):
+        """ray.get(ref) for a call to actor i; if the actor died, restart it and call `method` again."""
+        import ray
+
+        for attempt in range(self.max_restarts + 1):
+            try:
+                if attempt:
+                    self._restart(i)
+                    ref = getattr(self._actors[i], method).remote(*args)
+                return ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed or attempt == self.max_restarts:
+                    raise
+                warnings.warn(f"ray_fleet: engine {i} died during {method} ({type(e).__name__}); "
+                              "restarting it with the last pushed weights and retrying")
+
+    def _require_actors(self) -> list:
+        if not self._actors:
+            raise RuntimeError("this RayEngineFleet is closed; create a new one")
+        return self._actors
+
+    def _broadcast(self, method: str, *args) -> list:
+        refs = [getattr(a, method).remote(*args) for a in self._require_actors()]
+        return [self._get(i, ref, method, *args) for i, ref in enumerate(refs)]
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._actors)
+
+    def engine_pids(self) -> list[int]:
+        """The OS process id of every engine actor (for monitoring, and for the fault tests)."""
+        import ray
+
+        return ray.get([a.pid.remote() for a in self._require_actors()])
+
+    # ----------------------------------------------------------------------------------------- rollouts
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+        actors = self._require_actors()
+        prompts = check_prompts(prompt_token_ids)
+        shards = []
+        for i, (start, end) in enumerate(shard_bounds(len(prompts), len(actors))):
+            args = (prompts[start:end], shard_sampling(sampling, start))
+            shards.append((i, start, args, actors[i].generate.remote(*args)))
+        rollouts = []
+        for i, start, args, ref in shards:
+            for r in self._get(i, ref, "generate", *args):
+                r.prompt_index += start  # shard-local → batch index
+                rollouts.append(r)
+        return rollouts
+
+    def generate_on(self, engine_index: int, prompt_token_ids: Sequence[Sequence[int]],
+                    sampling: SamplingConfig) -> list[Rollout]:
+        """The whole batch on one engine (no sharding): for probes and engine-vs-engine checks."""
+        args = (check_prompts(prompt_token_ids), sampling)
+        return self._get(engine_index, self._require_actors()[engine_index].generate.remote(*args),
+                         "generate", *args)
+
+    # ----------------------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """One full sync: buckets go into the object store once; every engine loads them."""
+        import ray
+
+        self._require_actors()
+        self._weight_refs = None  # drop the previous push first: one copy of the weights in the store
+        self._weights_known = False
+        refs = [ray.put(pack_bucket(bucket)) for bucket in _buckets(named_tensors, self.bucket_bytes)]
+        self._weight_refs, self._weights_known = refs, True
+        try:
+            self._broadcast("update_weights", refs)
+        except BaseException:  # rejected (e.g. WeightUpdateError) or engines lost: a restart can't reproduce
+            self._weight_refs, self._weights_known = None, False  # the engines' state from these refs
+            raise
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def sleep(self) -> None:
+        self._broadcast("sleep")
+
+    def wake_up(self) -> None:
+        self._broadcast("wake_up")
+
+    def close(self) -> None:
+        actors, self._actors = getattr(self, "_actors", []), []
+        self._weight_refs = None
+        if not actors and not getattr(self, "_owns_ray", False):
+            return
+        import ray
+
+        for actor in actors:  # the process exits; the engine's memory goes with it
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
