@@ -24,7 +24,8 @@ from typing import Callable
 from portable_rl.engines.base import EngineAdapter
 
 ENTRY_POINT_GROUP = "portable_rl.engines"
-_BUILTIN_MODULES = ("portable_rl.engines.vllm_adapter", "portable_rl.engines.sglang_adapter")
+_BUILTIN_MODULES = ("portable_rl.engines.vllm_adapter", "portable_rl.engines.sglang_adapter", "portable_rl.engines.ray_fleet",
+                    "portable_rl.engines.fake_quant")
 
 _REGISTRY: dict[str, Callable[..., EngineAdapter]] = {}
 _builtins_loaded = False
