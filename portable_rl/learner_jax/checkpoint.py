@@ -7,6 +7,13 @@ never restored: `latest_step` skips it and opening a `Checkpointer` moves it asi
 `<dir>/incomplete-<step>-<ns>` (nothing is deleted). Saving is
 synchronous so the marker always means "fully on disk". The newest `max_to_keep` steps are kept.
 
+The marker lists every file of the step with its size. A committed step whose files are missing,
+truncated or unreadable (or that was written for a different model) raises `CheckpointError` naming
+the directory and the fix: move it aside to resume from the previous committed step. It is not skipped
+silently: a committed step that fails to read means damaged storage or a wrong RUN_DIR, and a silent
+fallback would throw away training and the metrics logged since the previous step without a word.
+(Sizes catch truncation and missing files, not bit flips inside a file of the right size.)
+
     ckpt = Checkpointer(directory, max_to_keep=3)
     ckpt.save(step, model, optimizer, extra={"data_cursor": 123}, rng=key)
     restored = ckpt.restore(model, optimizer)        # updates model / optimizer in place
@@ -29,6 +36,10 @@ from flax import nnx
 
 COMMIT_MARKER = "COMMITTED"
 _log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be used: unreadable, or a committed step that fails to restore."""
 
 
 def _step_dirs(directory: Path) -> dict[int, Path]:
@@ -60,18 +71,25 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
         self.directory = Path(directory).absolute()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            for step, path in _step_dirs(self.directory).items():
-                if not (path / COMMIT_MARKER).exists():
-                    # Moved aside, not deleted: frees the step number and loses nothing.
-                    aside = self.directory / f"incomplete-{step}-{time.time_ns()}"
-                    _log.warning("moving incomplete checkpoint %s (no %s marker) to %s", path, COMMIT_MARKER, aside)
-                    os.rename(path, aside)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                self._move_incomplete_aside()
+        except OSError as e:
+            raise CheckpointError(f"cannot use checkpoint directory {self.directory} ({e.strerror or e}); "
+                                  f"fix its permissions or choose another run directory (RUN_DIR)") from e
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                  enable_async_checkpointing=False))
+
+    def _move_incomplete_aside(self) -> None:
+        for step, path in _step_dirs(self.directory).items():
+            if not (path / COMMIT_MARKER).exists():
+                # Moved aside, not deleted: frees the step number and loses nothing.
+                aside = self.directory / f"incomplete-{step}-{time.time_ns()}"
+                _log.warning("moving incomplete checkpoint %s (no %s marker) to %s", path, COMMIT_MARKER, aside)
+                os.rename(path, aside)
 
     def latest_step(self) -> int | None:
         return latest_step(self.directory)
@@ -91,9 +109,10 @@ class Checkpointer:
             items["optimizer"] = ocp.args.StandardSave(_str_keys(nnx.to_pure_dict(nnx.state(optimizer))))
         self._manager.save(step, args=ocp.args.Composite(**items))
         self._manager.wait_until_finished()
-        marker = self.directory / str(step) / COMMIT_MARKER
+        step_dir = self.directory / str(step)
+        marker = step_dir / COMMIT_MARKER
         tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step}) + "\n")
+        tmp.write_text(json.dumps({"step": step, "files": _file_sizes(step_dir)}) + "\n")
         os.replace(tmp, marker)
 
     def _committed_step(self, step: int | None) -> int:
@@ -104,7 +123,33 @@ class Checkpointer:
         return step
 
     def _meta(self, step: int) -> dict:
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        self._check_files(step)
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise self._restore_error(step, e) from e
+
+    def _check_files(self, step: int) -> None:
+        """Every file the commit marker lists is there with its size (markers before sizes list none)."""
+        step_dir = self.directory / str(step)
+        try:
+            saved = json.loads((step_dir / COMMIT_MARKER).read_text()).get("files", {})
+            now = _file_sizes(step_dir)
+        except (OSError, ValueError) as e:
+            raise self._restore_error(step, e) from e
+        for name, size in saved.items():
+            if now.get(name) != size:
+                found = "is missing" if name not in now else f"has {now[name]} bytes"
+                raise self._restore_error(step, f"{name} {found}, {size} when saved")
+
+    def _restore_error(self, step: int, cause) -> CheckpointError:
+        path = self.directory / str(step)
+        earlier = [s for s in self.all_steps() if s < step]
+        then = f"resume from step {earlier[-1]}" if earlier else "start from the model again"
+        reason = " ".join(str(cause).split()).split(" Truncating/padding is disabled")[0][:300]
+        return CheckpointError(f"checkpoint {path} cannot be restored ({reason}); if it is damaged, move it "
+                               f"aside (mv {path} {self.directory}/corrupt-{step}) to {then}; if it belongs to "
+                               f"a different model, use another run directory")
 
     def read_extra(self, step: int | None = None) -> dict:
         """The JSON `extra` saved with `step` (default: the latest committed one); loads no arrays."""
@@ -122,10 +167,14 @@ class Checkpointer:
             modules["optimizer"] = (optimizer, ...)
         states = {name: nnx.state(module, what) for name, (module, what) in modules.items()}
         targets = {name: nnx.to_pure_dict(state) for name, state in states.items()}
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            **{name: ocp.args.StandardRestore(_str_keys(t)) for name, t in targets.items()}))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                **{name: ocp.args.StandardRestore(_str_keys(t)) for name, t in targets.items()}))
+            values = {name: _orig_keys(targets[name], restored[name]) for name in modules}
+        except Exception as e:  # nothing has been written into model / optimizer yet (orbax checks shapes)
+            raise self._restore_error(step, e) from e
         for name, (module, _) in modules.items():
-            nnx.replace_by_pure_dict(states[name], _orig_keys(targets[name], restored[name]))
+            nnx.replace_by_pure_dict(states[name], values[name])
             nnx.update(module, states[name])
         return Restored(step=step, extra=meta["extra"], rng=_rng_from_json(meta["rng"]))
 
@@ -137,6 +186,12 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _file_sizes(step_dir: Path) -> dict[str, int]:
+    """{path relative to the step directory: bytes} of every file but the commit marker."""
+    return {str(p.relative_to(step_dir)): p.stat().st_size for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and p.name not in (COMMIT_MARKER, COMMIT_MARKER + ".tmp")}
 
 
 def _str_keys(tree):

@@ -3,19 +3,54 @@
 `encode_prompt` optionally applies the tokenizer's chat template (instruct/base models in the real
 recipes) and prepends BOS when the tokenizer defines one and the template does not add it.
 `decode_response` drops the stop token and special tokens.
+
+The tokenizer must fit the model: every token id < the model's `vocab_size` (config.json beside the
+tokenizer, or `model_vocab_size`). A larger model vocabulary is normal (HF checkpoints pad it, e.g.
+Qwen2.5: 151,665 tokens, vocab_size 152,064); a larger tokenizer is a `VocabularyMismatchError`, since
+an embedding lookup past the table would silently read the wrong row (JAX clamps gather indices).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+
+
+class VocabularyMismatchError(ValueError):
+    """The tokenizer has token ids the model's embedding table does not have."""
+
+
+def read_vocab_size(model_path: str | os.PathLike) -> int | None:
+    """`vocab_size` from `model_path/config.json` (or its `text_config`), None when there is none."""
+    config = Path(model_path) / "config.json"
+    if not config.exists():
+        return None
+    d = json.loads(config.read_text())
+    return d.get("vocab_size") or d.get("text_config", {}).get("vocab_size")
+
+
+def check_vocabulary(tokenizer, vocab_size: int, tokenizer_path) -> None:
+    """Raises `VocabularyMismatchError` when a token id of `tokenizer` is >= `vocab_size`."""
+    ids = list(tokenizer.get_vocab().values()) + [i for i in tokenizer.all_special_ids if i is not None]
+    needed = max(ids) + 1
+    if needed > vocab_size:
+        raise VocabularyMismatchError(
+            f"tokenizer in {tokenizer_path} has token ids up to {needed - 1} ({len(tokenizer)} tokens) but the "
+            f"model's vocab_size is {vocab_size}; point MODEL_PATH at a checkpoint whose tokenizer files match "
+            f"its weights (or resize the model's embeddings to >= {needed})")
 
 
 class TextCodec:
     def __init__(self, tokenizer_path: str | os.PathLike, *, chat_template: bool = False,
-                 add_bos: bool = True):
+                 add_bos: bool = True, model_vocab_size: int | None = None):
+        """`model_vocab_size`: the model's embedding rows (default: config.json in `tokenizer_path`)."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        vocab_size = model_vocab_size or read_vocab_size(tokenizer_path)
+        if vocab_size:
+            check_vocabulary(self.tokenizer, vocab_size, tokenizer_path)
         self.chat_template = chat_template
         self.add_bos = add_bos and self.tokenizer.bos_token_id is not None
         self.eos_id = self.tokenizer.eos_token_id
