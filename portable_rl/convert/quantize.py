@@ -104,3 +104,82 @@ def write_blockwise_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = 
         elif os.path.isfile(path):
             shutil.copy(path, os.path.join(dst, fname))
     return dst
+
+
+# ------------------------------------------------------------------------------------------------------
+# Fake quantization (quantize → dequantize, same dtype out): what an engine serving a quantized copy of
+# the weights computes with, expressed as plain tensors. Used by `engines.fake_quant` to emulate rollout
+# schemes the CPU engine cannot run natively. Weight-only: activations stay in the engine's dtype.
+#
+#   "fp8_e4m3_tensor"  one scale per tensor:   s = max|W| / 448,  W' = e4m3(W / s) · s
+#   "mxfp4"            OCP MX FP4: groups of 32 along the input dim, one power-of-two (E8M0) scale each,
+#                      X = 2^(floor(log2 max|W_g|) − 2),  W' = e2m1(W / X) · X   (|e2m1| ≤ 6, clamped)
+#   "nvfp4"            groups of 16 along the input dim, an e4m3 scale each under one fp32 tensor scale:
+#                      g = max|W| / (448·6),  s_b = e4m3(max|W_b| / (6g)),  W' = e2m1(W / (s_b g)) · s_b g
+# e2m1 (FP4) values: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (and negatives); rounding is to nearest, ties to even.
+# ------------------------------------------------------------------------------------------------------
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+FAKE_QUANT_SCHEMES = ("fp8_e4m3_tensor", "mxfp4", "nvfp4")
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Rounds float32 `x` to the nearest FP4 (e2m1) value, ties to even, saturating at ±6."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=x.device)
+    mid = (grid[1:] + grid[:-1]) / 2                                   # 7 rounding boundaries
+    a = x.abs().clamp(max=E2M1_MAX)
+    down = torch.bucketize(a, mid, right=False)                        # a on a boundary → lower neighbour
+    up = torch.bucketize(a, mid, right=True)                           # a on a boundary → upper neighbour
+    idx = torch.where(down % 2 == 0, down, up)                         # ties: the even grid index (even mantissa)
+    return torch.sign(x) * grid[idx]
+
+
+def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """W [..., N] float32 → [..., N / group, group] (N must be a multiple of group)."""
+    n = weight.shape[-1]
+    if n % group:
+        raise ValueError(f"group size {group} must divide the input dim {n} (shape {tuple(weight.shape)})")
+    return weight.reshape(*weight.shape[:-1], n // group, group)
+
+
+def fake_quantize_mxfp4(weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    w = _grouped(weight.to(torch.float32), group)                      # [..., G, group]
+    amax = w.abs().amax(dim=-1, keepdim=True)                          # [..., G, 1]
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2  # e2m1's largest exponent is 2
+    scale = torch.exp2(exponent)
+    return (round_to_e2m1(w / scale) * scale).reshape(weight.shape).to(weight.dtype)
+
+
+def fake_quantize_nvfp4(weight: torch.Tensor, group: int = 16) -> torch.Tensor:
+    w = _grouped(weight.to(torch.float32), group)                      # [..., G, group]
+    tensor_scale = (w.abs().amax() / (FP8_MAX * E2M1_MAX)).clamp(min=1e-12)
+    block_amax = w.abs().amax(dim=-1, keepdim=True)                    # [..., G, 1]
+    block_scale = (block_amax / (E2M1_MAX * tensor_scale)).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = (block_scale * tensor_scale).clamp(min=1e-30)              # an all-zero block stays zero
+    return (round_to_e2m1(w / scale) * scale).reshape(weight.shape).to(weight.dtype)
+
+
+def fake_quantize_fp8_tensor(weight: torch.Tensor) -> torch.Tensor:
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
+    return ((w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(weight.dtype)
+
+
+def fake_quantize(weight: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Quantize-dequantize a 2-D weight [out, in] with `scheme` (see FAKE_QUANT_SCHEMES); same shape and dtype."""
+    if weight.dim() != 2:
+        raise ValueError(f"fake quantization needs a 2-D weight, got shape {tuple(weight.shape)}")
+    if scheme == "mxfp4":
+        return fake_quantize_mxfp4(weight)
+    if scheme == "nvfp4":
+        return fake_quantize_nvfp4(weight)
+    if scheme == "fp8_e4m3_tensor":
+        return fake_quantize_fp8_tensor(weight)
+    raise ValueError(f"unknown fake-quantization scheme {scheme!r}; use one of {FAKE_QUANT_SCHEMES}")
+
+
+def fake_quantize_named_tensors(pairs: Iterable[tuple[str, torch.Tensor]], scheme: str
+                                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs → the decoder projections fake-quantized with `scheme`; the rest unchanged."""
+    for name, tensor in pairs:
+        yield name, (fake_quantize(tensor, scheme) if is_quantized_projection(name) else tensor)

