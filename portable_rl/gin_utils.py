@@ -11,13 +11,21 @@ The repository's `gin/` folder (next to the `portable_rl` package) and the curre
 searched, so `--gin_file=gin/dapo_fp8.gin` and `--gin_file=dapo_fp8.gin` both work from anywhere.
 Library callables are registered here with `gin.external_configurable`, under short module names
 (`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...).
+
+Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
+unknown configurable, missing REQUIRED macro) and the library's user errors (`USER_ERRORS`: unknown
+engine / reward, missing or unreadable files, malformed dataset, tokenizer/model vocabulary mismatch,
+corrupt checkpoint, rejected weight push, too many non-finite rollout logprobs). Set
+`PORTABLE_RL_TRACEBACK=1` to see the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import ast
+import difflib
+import inspect
+import logging
 import os
 import re
 import sys
@@ -30,6 +38,21 @@ import portable_rl
 
 PACKAGE_GIN_DIR = Path(portable_rl.__file__).resolve().parent.parent / "gin"
 _REGISTERED = False
+_CONFIGURABLES: dict[str, Callable] = {}  # gin name ("train", "tasks.ArithmeticTask") -> callable
+
+# Exceptions that mean bad input (a name, a path, a file's content), not a bug: (module, class name).
+# Checked only for modules already imported (an error class whose module was never imported was never raised).
+USER_ERRORS = (
+    ("builtins", "FileNotFoundError"), ("builtins", "IsADirectoryError"), ("builtins", "NotADirectoryError"),
+    ("builtins", "PermissionError"),
+    ("portable_rl.engines.registry", "UnknownEngineError"),
+    ("portable_rl.engines.vllm_adapter", "WeightUpdateError"),
+    ("portable_rl.tasks.rewards", "UnknownRewardError"),
+    ("portable_rl.tasks.math_dataset", "DatasetError"),
+    ("portable_rl.rl.codec", "VocabularyMismatchError"),
+    ("portable_rl.rl.rollout", "NonFiniteLogprobsError"),
+    ("portable_rl.learner_jax.checkpoint", "CheckpointError"),
+)
 
 
 def default_search_paths() -> list[str]:
@@ -39,6 +62,8 @@ def default_search_paths() -> list[str]:
 
 def register_configurable(fn: Callable, name: str | None = None, module: str | None = None):
     """`gin.external_configurable` that tolerates a second registration of the same name."""
+    short = name or getattr(fn, "__name__", "")
+    _CONFIGURABLES.update({short: fn, f"{module}.{short}" if module else short: fn})
     try:
         return gin.external_configurable(fn, name=name, module=module)
     except ValueError as e:
@@ -153,20 +178,65 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
         _exit_with(e)
     try:
         main()
-    except (ValueError, TypeError) as e:
-        if "Required bindings" not in str(e):
+    except Exception as e:
+        if os.environ.get("PORTABLE_RL_TRACEBACK"):
             raise
-        _exit_with(e)
+        if isinstance(e, (ValueError, TypeError)) and "Required bindings" in str(e):
+            _exit_with(e)
+        if isinstance(e, user_error_types()):
+            raise SystemExit(f"error: {one_line(e)}") from e
+        raise
+
+
+def user_error_types() -> tuple[type, ...]:
+    """The `USER_ERRORS` classes of the modules imported so far."""
+    return tuple(getattr(sys.modules[m], name) for m, name in USER_ERRORS
+                 if m in sys.modules and hasattr(sys.modules[m], name))
+
+
+def one_line(e: BaseException) -> str:
+    """The exception's message on one line, without the call chain gin appends to it."""
+    text = str(e).split("\n  In call to configurable")[0]
+    return " ".join(text.split())
 
 
 def _exit_with(e: BaseException):
+    if os.environ.get("PORTABLE_RL_TRACEBACK"):
+        raise e
     msg = " ".join(str(e).split())
+    hint = _hint(msg)
     required = re.findall(r"(\w+)/macro\.value set to `%gin\.REQUIRED`", msg)
     if required:
         raise SystemExit(f"gin config error: required macro {required[0]} is not set; pass "
                          f"--gin.{required[0]}=VALUE (see the gin file's header)") from e
-    raise SystemExit(f"gin config error: {msg} -- fix the --gin_file / --gin.NAME=VALUE named here "
+    raise SystemExit(f"gin config error: {msg}{hint} -- fix the --gin_file / --gin.NAME=VALUE named here "
                      f"(gin files list the macros that must be set in their header)") from e
+
+
+def _hint(msg: str) -> str:
+    """For an unknown parameter: the close match or the valid ones; for an unknown reference: the known ones."""
+    bad_param = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+    if bad_param and bad_param.group(1) in _CONFIGURABLES:
+        params = _parameters(_CONFIGURABLES[bad_param.group(1)])
+        close = difflib.get_close_matches(bad_param.group(2), params, n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+        return f" (parameters of {bad_param.group(1)}: {', '.join(params)})"
+    bad_ref = re.search(r"No configurable matching reference '@([\w./]+?)(\(\))?'", msg)
+    if bad_ref:
+        wanted = bad_ref.group(1).split("/")[-1]
+        module = wanted.rsplit(".", 1)[0] if "." in wanted else None
+        known = sorted(n for n in _CONFIGURABLES if "." in n and (module is None or n.startswith(module + ".")))
+        if known:
+            return f" (registered: {', '.join('@' + n for n in known)})"
+    return ""
+
+
+def _parameters(fn: Callable) -> list[str]:
+    try:
+        return [p for p in inspect.signature(fn).parameters if p not in ("self", "args", "kwargs")]
+    except (TypeError, ValueError):
+        return []
 
 
 def query_value(name: str):

@@ -5,9 +5,12 @@ Row i holds `prompt_i + response_i` followed by padding. Position t carries the 
 
     input_ids[i, t]        = (prompt_i + response_i)[t]             for t < len_i, pad after
     attention_mask[i, t]   = 1                                      for t < len_i
-    response_mask[i, t]    = 1                                      for p_i <= t < len_i
+    response_mask[i, t]    = 1                                      for p_i <= t < len_i with a finite logprob
     rollout_logprobs[i, t] = engine logprob of input_ids[i, t]      where response_mask is 1, else 0
     advantages[i, t]       = A_i * response_mask[i, t]
+
+A response token whose engine logprob is NaN or ±inf is dropped from the loss (mask 0, logprob 0), so
+nothing non-finite reaches JAX; `rl.rollout.collect_groups` counts them (`rollout/nonfinite_*`).
 
 T is rounded up to a bucket (next power of two, at least `min_len`) so jit sees few shapes;
 B is padded with all-zero rows up to a multiple of `row_multiple` (fixed mini-batch shapes).
@@ -45,12 +48,14 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
         if len(lp) != len(r):
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} logprobs")
         lp_, ln = len(p), len(p) + len(r)
+        logp = np.asarray(lp, np.float32)                                # [len(r)]
+        finite = np.isfinite(logp)                                       # [len(r)]
         input_ids[i, :lp_] = p
         input_ids[i, lp_:ln] = r
         attention_mask[i, :ln] = 1
-        response_mask[i, lp_:ln] = 1.0
-        rollout_logprobs[i, lp_:ln] = lp
-        adv[i, lp_:ln] = a
+        response_mask[i, lp_:ln] = finite
+        rollout_logprobs[i, lp_:ln] = np.where(finite, logp, 0.0)
+        adv[i, lp_:ln] = np.where(finite, a, 0.0)
     return dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                 rollout_logprobs=rollout_logprobs, advantages=adv, num_rows=n)
 

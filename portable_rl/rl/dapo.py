@@ -44,6 +44,7 @@ class DapoConfig:
     loss_aggregation: str = "token-mean"
     policy_loss_mode: str = "decoupled"   # "decoupled": old logprobs recomputed | "bypass": old := rollout
     min_seq_bucket: int = 16
+    max_nonfinite_fraction: float = 0.01  # NaN/inf engine logprobs are masked; above this fraction the run stops
 
     def __post_init__(self):
         if self.advantage not in ADVANTAGES:
@@ -55,6 +56,8 @@ class DapoConfig:
                              f"mini_batch_size={self.mini_batch_size}")
         if self.max_gen_batches < 1:
             raise ValueError(f"max_gen_batches={self.max_gen_batches} must be >= 1")
+        if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
+            raise ValueError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
 
     @property
     def rows_per_minibatch(self) -> int:

@@ -4,6 +4,11 @@ For draw d = 0, 1, ... (at most `max_gen_batches`): take the task's prompts for 
 responses each with seed hash(seed, step, d), score them with the reward, and keep the informative
 groups, until `prompt_batch_size` groups are kept. The data and the sampling seed depend only on
 (seed, step, draw), so a resumed run regenerates exactly what an uninterrupted one would.
+
+Non-finite engine logprobs (NaN / ±inf: a broken kernel, an overflowing FP8 scale) are counted over every
+token generated this step, `rollout/nonfinite_logprobs` and `rollout/nonfinite_fraction`; packing drops
+those tokens from the loss (`batching.pack_rollouts`). `check_nonfinite_fraction` stops the run when their
+fraction passes `DapoConfig.max_nonfinite_fraction`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import numpy as np
 
 from portable_rl.engines.base import SamplingConfig
 from portable_rl.rl.dynamic_sampling import GroupCollector
+
+
+class NonFiniteLogprobsError(RuntimeError):
+    """The engine returned too many NaN / inf logprobs for training to go on."""
 
 
 @dataclasses.dataclass
@@ -30,7 +39,7 @@ def sampling_seed(seed: int, step: int, draw: int) -> int:
 def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int):
     """→ (kept groups (≤ prompt_batch_size), stats over everything generated this step)."""
     collector = GroupCollector(cfg.prompt_batch_size, filter_groups=cfg.dynamic_sampling)
-    all_rewards, all_lengths, truncated = [], [], 0
+    all_rewards, all_lengths, truncated, nonfinite = [], [], 0, 0
     for draw in range(cfg.max_gen_batches):
         examples = task.train_batch(step, draw, cfg.prompt_batch_size)
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_response_tokens,
@@ -45,6 +54,7 @@ def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int)
         all_rewards.append(rewards)
         all_lengths += [len(r.response_token_ids) for r in rollouts]
         truncated += sum(r.finish_reason == "length" for r in rollouts)
+        nonfinite += sum(count_nonfinite(r.response_logprobs) for r in rollouts)
         if collector.done:
             break
     rewards = np.concatenate(all_rewards)
@@ -58,5 +68,21 @@ def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int)
         "dynamic_sampling/gen_batches": collector.draws,
         "dynamic_sampling/kept_groups": len(kept),
         "dynamic_sampling/kept_fraction": len(collector.groups) / max(collector.seen, 1),
+        "rollout/nonfinite_logprobs": nonfinite,
+        "rollout/nonfinite_fraction": nonfinite / max(sum(all_lengths), 1),
     }
     return kept, stats
+
+
+def count_nonfinite(logprobs) -> int:
+    return int(np.count_nonzero(~np.isfinite(np.asarray(logprobs, np.float64))))
+
+
+def check_nonfinite_fraction(stats: dict, max_fraction: float) -> None:
+    """Raises `NonFiniteLogprobsError` when this step's non-finite logprob fraction exceeds `max_fraction`."""
+    fraction = stats["rollout/nonfinite_fraction"]
+    if fraction > max_fraction:
+        raise NonFiniteLogprobsError(
+            f"the engine returned {stats['rollout/nonfinite_logprobs']} non-finite logprobs ({100 * fraction:.2f}% "
+            f"of the step's response tokens) > max_nonfinite_fraction={max_fraction}: check the engine's "
+            f"dtype / quantization (try --gin.QUANTIZATION=None) or raise rl.DapoConfig.max_nonfinite_fraction")
