@@ -1,0 +1,170 @@
+"""Rollout throughput, vLLM bf16 vs fp8_per_channel; and the step-time breakdown of a finished training run.
+
+Throughput. Two real in-process vLLM engines (`create_engine("vllm", ...)`) on the SAME random Qwen2
+checkpoint, one bf16 and one `quantization="fp8_per_channel"` (weights quantized online per output channel,
+activations per token), generate for the SAME prompts with the SAME seeded sampling (temperature 1, top_p 1,
+top_k -1). The engines alternate (bf16, fp8, bf16, fp8, ...) so background load hits both alike:
+
+    tokens/s = generated response tokens / wall time of one `generate` call      (median over --reps)
+    ratio    = fp8 tokens/s / bf16 tokens/s
+
+On CPU the FP8 GEMM is oneDNN's fp8 `_scaled_mm` (engines/vllm_cpu_fp8.py); there is no FP8 matrix unit, so
+the fp8 operands are widened inside the kernel and this ratio says little about FP8 tensor-core GEMMs on a
+GPU (there, expect fp8 ≥ bf16 once GEMMs dominate).
+
+Breakdown. `--run-dir RUN` reads RUN/metrics.jsonl (written by `portable_rl.train`) and prints the medians of
+time/generate, time/logprob, time/train, time/sync and time/step over steps, their shares of the step
+(the rest, "other", is the post-sync probe and held-out evaluation), and checks sync < 5 % of a step.
+
+    python benchmarks/rollout.py [--layers 16 --hidden 1024 --intermediate 2816 --vocab 32000]
+                                 [--prompts 32 --max-tokens 64 --reps 3] [--tiny] [--json]
+    python benchmarks/rollout.py --run-dir runs/dapo_fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+PHASES = ("time/generate", "time/logprob", "time/train", "time/sync")
+SYNC_SHARE_TARGET = 0.05
+
+
+# ------------------------------------------------------------------------------------------- breakdown
+def step_breakdown(run_dir: str) -> dict:
+    """Medians over steps of each phase and of the whole step, from RUN/metrics.jsonl."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        sys.exit(f"no metrics.jsonl in {run_dir}; pass the RUN_DIR of a finished `portable_rl.train` run")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if "time/step" in r]  # step 0 (initial eval + sync) has no time/step
+    if not steps:
+        sys.exit(f"{path} has no rows with time/step; did the run finish a training step?")
+    medians = {k: statistics.median(r.get(k, 0.0) for r in steps) for k in PHASES + ("time/step",)}
+    step = medians["time/step"]
+    out = {"run_dir": run_dir, "steps": len(steps), "medians_s": medians,
+           "shares": {k: medians[k] / step for k in PHASES},
+           "other_share": 1.0 - sum(medians[k] for k in PHASES) / step,
+           # median of the per-step ratio too: the ratio of medians can hide a few slow syncs
+           "sync_share_median_per_step": statistics.median(r["time/sync"] / r["time/step"] for r in steps)}
+    out["sync_ok"] = out["shares"]["time/sync"] < SYNC_SHARE_TARGET
+    return out
+
+
+def print_breakdown(b: dict) -> None:
+    print(f"{b['run_dir']}: medians over {b['steps']} steps")
+    print("| " + " | ".join(k.removeprefix("time/") for k in PHASES) + " | other | step |")
+    print("|" + "---|" * (len(PHASES) + 2))
+    cells = [f"{b['medians_s'][k]:.3f} s ({100 * b['shares'][k]:.1f} %)" for k in PHASES]
+    print("| " + " | ".join(cells) + f" | {100 * b['other_share']:.1f} % | {b['medians_s']['time/step']:.3f} s |")
+    verdict = "ok" if b["sync_ok"] else "OVER"
+    print(f"sync share {100 * b['shares']['time/sync']:.2f} % of the median step (per-step median "
+          f"{100 * b['sync_share_median_per_step']:.2f} %), target < {100 * SYNC_SHARE_TARGET:.0f} %: {verdict}")
+
+
+# ------------------------------------------------------------------------------------------ throughput
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 16-48 character-tokenizer ids (3..97: printable characters, no special tokens)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 98, int(rng.integers(16, 49))).tolist() for _ in range(n)]
+
+
+def throughput(args) -> dict:
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.testing import make_tiny_checkpoint
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
+    if args.tiny:
+        dims = dict(size="tiny", vocab_size=128)
+        name = "qwen2_tiny"
+    else:
+        dims = dict(size="small", vocab_size=args.vocab, hidden_size=args.hidden,
+                    intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                    num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64 // 4,
+                    head_dim=64, tie_word_embeddings=True)
+        name = f"qwen2_l{args.layers}_d{args.hidden}_f{args.intermediate}_v{args.vocab}"
+    ckpt = os.path.join(workdir, name)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        make_tiny_checkpoint(ckpt, "qwen2", dtype="bfloat16", **dims)
+    from safetensors import safe_open
+    import math
+
+    with safe_open(os.path.join(ckpt, "model.safetensors"), framework="numpy") as st:
+        n_params = sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+
+    max_len = 48 + args.max_tokens
+    engines = {
+        "bf16": create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0),
+        "fp8_per_channel": create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
+                                         engine_init_kwargs={"quantization": "fp8_per_channel"}),
+    }
+    prompts = make_prompts(args.prompts)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    times = {k: [] for k in engines}
+    tokens = {}
+    try:
+        for i in range(1 + args.reps):  # round 0 warms up
+            for kind, engine in engines.items():
+                start = time.perf_counter()
+                rollouts = engine.generate(prompts, sampling)
+                elapsed = time.perf_counter() - start
+                n_tokens = sum(len(r.response_token_ids) for r in rollouts)
+                if i == 0:
+                    tokens[kind] = n_tokens
+                elif n_tokens != tokens[kind]:  # same seed, same weights: the same samples every time
+                    raise RuntimeError(f"{kind}: {n_tokens} tokens, {tokens[kind]} in the warm-up round")
+                if i:
+                    times[kind].append(elapsed)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    tps = {k: tokens[k] / medians[k] for k in engines}
+    return {"model": name, "params": n_params, "prompts": args.prompts, "max_tokens": args.max_tokens,
+            "reps": args.reps, "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps,
+            "ratio_fp8_over_bf16": tps["fp8_per_channel"] / tps["bf16"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default=None, help="print the step-time breakdown of this run and exit")
+    parser.add_argument("--tiny", action="store_true", help="the tiny default model instead of --layers ...")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=1024, help="multiple of 256 (head_dim 64, 4 q per kv)")
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where the checkpoint goes (reused if present)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    if args.run_dir:
+        b = step_breakdown(args.run_dir)
+        print(json.dumps(b)) if args.json else print_breakdown(b)
+        return
+    if args.hidden % 256:
+        sys.exit(f"--hidden {args.hidden} must be a multiple of 256 (head_dim 64, 4 query heads per kv head)")
+    r = throughput(args)
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"model {r['model']} ({r['params'] / 1e6:.1f}M params), {r['prompts']} prompts x {r['max_tokens']} "
+          f"max tokens, median of {r['reps']} alternating generate calls")
+    for kind in ("bf16", "fp8_per_channel"):
+        print(f"  {kind:<16} {r['median_s'][kind]:7.2f} s  {r['generated_tokens'][kind]:6d} tokens  "
+              f"{r['tokens_per_s'][kind]:8.1f} tok/s")
+    print(f"  fp8 / bf16 tokens/s: {r['ratio_fp8_over_bf16']:.2f}x (CPU: says little about GPU FP8 GEMMs)")
+
+
+if __name__ == "__main__":
+    main()
