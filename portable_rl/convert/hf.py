@@ -27,6 +27,7 @@ from flax import nnx
 from portable_rl.convert.mapping import ParamMapping, param_mappings
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
+from portable_rl.learner_jax.sharding import gather_for_export
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -133,7 +134,11 @@ def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
     dtype = _DTYPES[_dtype_name(dtype)]
     for m in param_mappings(config):
         value = get_param(model, m.nnx_path)[...]
-        yield m, (value if value.dtype == dtype else value.astype(dtype))
+        value = value if value.dtype == dtype else value.astype(dtype)
+        # A sharded learner (learner_jax/sharding.py) holds multi-device arrays, which DLPack cannot
+        # export: gather this one parameter (after the cast: fewer bytes). Single-device arrays are
+        # returned unchanged, so the unsharded path stays zero-copy.
+        yield m, gather_for_export(value)
 
 
 def hf_arrays(model: Transformer, config: ModelConfig, dtype="bfloat16") -> Iterator[tuple[str, jax.Array]]:

@@ -5,6 +5,10 @@
     loss           = policy_loss(new, old, A, response_mask · keep, correction_weights=w)   per mini-batch
 
 All jitted functions see fixed shapes: rows = mini_batch_size · n, T from a few length buckets.
+
+With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
+every batch the jitted functions see is split by rows over ("data", "fsdp"); the jitted functions are
+the same, GSPMD partitions them. Batches come in and metrics / logprobs go out as host numpy arrays.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flax import nnx
 from portable_rl import tis
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.losses import policy_loss
+from portable_rl.learner_jax.sharding import batch_shards, pad_rows, shard_batch, shard_model_and_optimizer, to_host
 from portable_rl.learner_jax.step import make_train_step
 from portable_rl.rl.batching import split_rows
 
@@ -39,8 +44,16 @@ def make_loss_fn(cfg, temperature: float):
 
 
 class Learner:
-    def __init__(self, model, optimizer: nnx.Optimizer, cfg, correction: tis.RolloutCorrectionConfig):
+    def __init__(self, model, optimizer: nnx.Optimizer, cfg, correction: tis.RolloutCorrectionConfig, *,
+                 mesh: jax.sharding.Mesh | None = None):
+        """`mesh`: shard model + optimizer over it (in place) and run every step sharded; None: as is."""
         self.model, self.optimizer, self.cfg, self.correction = model, optimizer, cfg, correction
+        self.mesh = mesh
+        if mesh is not None:
+            shard_model_and_optimizer(model, optimizer, mesh)
+            if cfg.rows_per_minibatch % batch_shards(mesh):
+                raise ValueError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
+                                 f"a multiple of the mesh's {batch_shards(mesh)} batch shards (data × fsdp)")
         temperature = cfg.temperature
         self._logprobs = nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature)[0])
         self._correct = jax.jit(functools.partial(tis.apply_rollout_correction, correction))
@@ -48,7 +61,13 @@ class Learner:
 
     def logprobs(self, input_ids, attention_mask) -> np.ndarray:
         """[B, T] logprobs of the current policy at the rollout temperature (entry t: token t given < t)."""
-        return np.asarray(self._logprobs(self.model, input_ids, attention_mask))
+        if self.mesh is None:
+            return np.asarray(self._logprobs(self.model, input_ids, attention_mask))
+        rows = len(input_ids)  # any B (e.g. the probe): pad with empty rows to a multiple of the shards
+        ways = batch_shards(self.mesh)
+        batch = shard_batch({"input_ids": pad_rows(np.asarray(input_ids), ways),
+                             "attention_mask": pad_rows(np.asarray(attention_mask), ways)}, self.mesh)
+        return to_host(self._logprobs(self.model, batch["input_ids"], batch["attention_mask"]))[:rows]
 
     def old_logprobs(self, batch: dict) -> np.ndarray:
         """[B, T] logprobs of the current (pre-update) policy, computed mini-batch by mini-batch."""
@@ -70,6 +89,8 @@ class Learner:
             for mb in split_rows(batch, self.cfg.rows_per_minibatch):
                 if not mb["response_mask"].any():   # all-padding mini-batch (short dynamic-sampling step)
                     continue
+                if self.mesh is not None:
+                    mb = shard_batch(mb, self.mesh)
                 history.append({k: float(v) for k, v in self._train_step(self.model, self.optimizer, mb).items()})
         if not history:
             return {}
