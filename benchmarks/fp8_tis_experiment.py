@@ -181,38 +181,60 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path, prefix: str) -> list[Path]:
+def _band(ax, out: Path, arm: str, seeds: list[int], steps: int, key: str, smooth: int) -> None:
+    """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band."""
+    runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds if is_finished(out / arm / f"seed{k}", steps)]
+    runs = [{s: v for s, v in r.items() if s <= steps} for r in runs]
+    if not runs:
+        return
+    common = sorted(set.intersection(*(set(r) for r in runs)))
+    ys = [_moving(r, common, smooth) for r in runs]
+    mean = [sum(c) / len(c) for c in zip(*ys)]
+    lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
+    style = "--" if arm.startswith("mxfp4") else "-"
+    ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{ARMS[arm][2]} (n={len(runs)})")
+    ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
+
+
+def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path) -> list[Path]:
+    """results_accuracy.png, results_reward.png (FP8 arms | MXFP4 arms, bf16 in both), results_mismatch.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward/mean", "train reward (mean over the step's samples)", 5),
-              ("accuracy/heldout", "held-out greedy accuracy", 1),
-              ("tis/kl", "mismatch KL(rollout ‖ train), k1, nats/token", 5)]
+    panels = [[a for a in arms if not a.startswith("mxfp4")], [a for a in arms if a == "bf16" or a.startswith("mxfp4")]]
+    titles = ["bf16 vs fp8_per_channel rollouts", "bf16 vs MXFP4 (fake-quant) rollouts"]
     written = []
-    for key, title, smooth in panels:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for arm in arms:
-            runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds
-                    if is_finished(out / arm / f"seed{k}", steps)]
-            if not runs:
-                continue
-            common = sorted(set.intersection(*(set(r) for r in runs)))
-            ys = [[_moving(r, common, smooth)[i] for i in range(len(common))] for r in runs]
-            mean = [sum(c) / len(c) for c in zip(*ys)]
-            lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
-            style = "--" if arm.startswith("mxfp4") else "-"
-            ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{ARMS[arm][2]} (n={len(runs)})")
-            ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
-        ax.set_title(title + (f" — moving average over {smooth} steps" if smooth > 1 else ""), fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    for name, key, ylabel, smooth in [("accuracy", "accuracy/heldout", "held-out greedy accuracy", 1),
+                                      ("reward", "reward/mean", "train reward, 5-step moving average", 5)]:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+        for ax, panel, title in zip(axes, panels, titles):
+            for arm in panel:
+                _band(ax, out, arm, seeds, steps, key, smooth)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("RL step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0].set_ylabel(ylabel)
+        fig.suptitle(f"{ylabel}: mean over seeds, band = min–max", fontsize=10)
         fig.tight_layout()
-        path = img_dir / f"results_{prefix}_{key.replace('/', '_')}.png"
-        fig.savefig(path, dpi=100)
+        written.append(img_dir / f"results_{name}.png")
+        fig.savefig(written[-1], dpi=100)
         plt.close(fig)
-        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for arm in arms:
+        _band(ax, out, arm, seeds, steps, "tis/k3_kl", 1)
+    ax.set_yscale("log")
+    ax.set_title("rollout/learner mismatch: KL(rollout ‖ train), k3 estimator, nats/token\n"
+                 "(train batch, before the update; mean over seeds, band = min–max)", fontsize=9)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(img_dir / "results_mismatch.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
     return written
 
 
@@ -322,10 +344,7 @@ def main(argv=None):
     summary = summarize(out, args.arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    groups = {"fp8": [a for a in args.arms if not a.startswith("mxfp4")],
-              "mxfp4": [a for a in args.arms if a == "bf16" or a.startswith("mxfp4")]}
-    plots = [str(path.relative_to(REPO)) for name, arms in groups.items() if len(arms) > 1 or arms
-             for path in plot(out, arms, args.seeds, args.steps, img_dir, name)]
+    plots = [str(p) for p in plot(out, args.arms, args.seeds, args.steps, img_dir)]
     (out / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
                                                   "plots": plots}, indent=2))
     print(markdown_table(summary))
