@@ -217,9 +217,21 @@ class RayEngineFleet(EngineAdapter):
             raise RuntimeError("this RayEngineFleet is closed; create a new one")
         return self._actors
 
+    def _gather(self, calls: list) -> list:
+        """Results of (engine index, ref, method, args) calls; waits for all before raising the first error."""
+        results, error = [], None
+        for i, ref, method, args in calls:
+            try:
+                results.append(self._get(i, ref, method, *args))
+            except Exception as e:  # e.g. every engine rejecting a bad push: collect the others' replies too
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
     def _broadcast(self, method: str, *args) -> list:
-        refs = [getattr(a, method).remote(*args) for a in self._require_actors()]
-        return [self._get(i, ref, method, *args) for i, ref in enumerate(refs)]
+        return self._gather([(i, getattr(a, method).remote(*args), method, args)
+                             for i, a in enumerate(self._require_actors())])
 
     @property
     def num_engines(self) -> int:
@@ -235,13 +247,14 @@ class RayEngineFleet(EngineAdapter):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         actors = self._require_actors()
         prompts = check_prompts(prompt_token_ids)
-        shards = []
-        for i, (start, end) in enumerate(shard_bounds(len(prompts), len(actors))):
+        bounds = shard_bounds(len(prompts), len(actors))
+        calls = []
+        for i, (start, end) in enumerate(bounds):
             args = (prompts[start:end], shard_sampling(sampling, start))
-            shards.append((i, start, args, actors[i].generate.remote(*args)))
+            calls.append((i, actors[i].generate.remote(*args), "generate", args))
         rollouts = []
-        for i, start, args, ref in shards:
-            for r in self._get(i, ref, "generate", *args):
+        for (start, _), shard in zip(bounds, self._gather(calls)):
+            for r in shard:
                 r.prompt_index += start  # shard-local → batch index
                 rollouts.append(r)
         return rollouts
