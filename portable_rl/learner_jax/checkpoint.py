@@ -71,6 +71,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file; move it away or choose "
+                                  f"another run directory (RUN_DIR)")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if jax.process_index() == 0:
