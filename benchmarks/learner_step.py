@@ -13,11 +13,14 @@ float32) and run one optimizer step on the SAME batch:
 dtypes: `fp32` = float32 params and compute on both sides; `bf16` = float32 master params with bf16 matmuls
 (ours: compute_dtype=bfloat16; torch: `torch.autocast("cpu", torch.bfloat16)`).
 Same work: the first step's loss and pre-clip gradient norm must agree (fp32 to 1e-4 relative), else the
-script exits non-zero. Timing: the two sides alternate (jax, torch, jax, torch, ...) so background load on
-a shared box hits both alike; tokens/s = rows * seq / median step time; ratio = ours / torch.
-torch uses `torch.set_num_threads(os.cpu_count())`; JAX uses XLA's CPU thread pool (all cores).
+script exits non-zero. Timing: each side lives in its own worker process (so XLA's and torch's thread pools
+never spin against each other) and the parent asks them for one step at a time, alternating (jax, torch,
+jax, torch, ...), so background load on a shared box hits both alike; tokens/s = rows * seq / median step
+time; ratio = ours / torch tokens/s. torch uses `torch.set_num_threads(os.cpu_count())` (--torch-threads);
+JAX uses XLA's CPU thread pool (all cores). The 1-minute load average before/after is recorded.
 
     python benchmarks/learner_step.py [--sizes tiny,small,100m] [--dtypes fp32,bf16] [--reps 5] [--json]
+                                      [--rows R --seq T]   (one batch shape for every size)
 """
 
 from __future__ import annotations
@@ -174,13 +177,13 @@ def count_params(ckpt: str) -> int:
         return sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
 
 
-def bench_one(size: str, dtype: str, workdir: str, reps: int, torch_threads: int) -> dict:
+def bench_one(size: str, dtype: str, workdir: str, reps: int, torch_threads: int, shape=None) -> dict:
     from portable_rl.testing import make_tiny_checkpoint
 
     ckpt = os.path.join(workdir, f"qwen2_{size}")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
         make_tiny_checkpoint(ckpt, "qwen2", dtype="float32", **SIZES[size])
-    rows, seq = BATCH[size]
+    rows, seq = shape or BATCH[size]
     batch = make_batch(rows, seq, SIZES[size]["vocab_size"])
     import multiprocessing as mp
 
@@ -227,10 +230,13 @@ def main():
     parser.add_argument("--reps", type=int, default=5, help="timed steps per side (alternating)")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
                         help="torch.set_num_threads for the torch side (default: the core count)")
+    parser.add_argument("--rows", type=int, default=None, help="override the per-size batch rows")
+    parser.add_argument("--seq", type=int, default=None, help="override the per-size sequence length")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (reused if present)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     sizes, dtypes = args.sizes.split(","), args.dtypes.split(",")
+    shape = (args.rows, args.seq) if args.rows and args.seq else None
     bad = [s for s in sizes if s not in SIZES] + [d for d in dtypes if d not in LOSS_RTOL]
     if bad:
         sys.exit(f"unknown size/dtype {bad}; sizes: {sorted(SIZES)}, dtypes: {sorted(LOSS_RTOL)}")
@@ -244,7 +250,7 @@ def main():
                "reps": args.reps, "runs": []}
     for size in sizes:
         for dtype in dtypes:
-            results["runs"].append(bench_one(size, dtype, workdir, args.reps, args.torch_threads))
+            results["runs"].append(bench_one(size, dtype, workdir, args.reps, args.torch_threads, shape))
             if not args.json:
                 r = results["runs"][-1]
                 print(f"{size:>5} {dtype} {r['params'] / 1e6:7.1f}M  {r['rows']}x{r['seq']}  "

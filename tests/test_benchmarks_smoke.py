@@ -1,0 +1,83 @@
+"""The benchmark scripts run end to end in their tiniest modes and report what docs/benchmarks.md quotes.
+
+Each script runs as a subprocess, as a user would run it. learner_step and gpu_check compile JAX steps in
+fresh interpreters (30-150 s on the shared 2-core box), hence `slow`; the run-dir breakdown is instant.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd, timeout, **env):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_learner_step_tiny_same_work_and_ratio(tmp_path):
+    out = run([sys.executable, "benchmarks/learner_step.py", "--sizes", "tiny", "--dtypes", "fp32",
+               "--reps", "1", "--rows", "2", "--seq", "16", "--json", "--workdir", str(tmp_path)], timeout=600)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["torch_threads"] == os.cpu_count()
+    (r,) = result["runs"]
+    assert (r["size"], r["dtype"], r["rows"], r["seq"]) == ("tiny", "fp32", 2, 16)
+    first = r["first_step"]
+    assert first["same_work"]
+    # the two frameworks really computed the same first step (not just both finite)
+    for key in ("loss", "grad_norm"):
+        assert abs(first["jax"][key] - first["torch"][key]) <= first["rtol"] * abs(first["torch"][key])
+    assert first["jax"]["grad_norm"] > 0
+    for key in ("jax_step_s", "torch_step_s", "jax_tokens_per_s", "torch_tokens_per_s", "ratio"):
+        assert r[key] > 0
+    assert r["ratio"] == pytest.approx(r["jax_tokens_per_s"] / r["torch_tokens_per_s"])
+    assert r["params"] > 100_000  # the tiny Qwen2 preset, ~0.3M
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_results(tmp_path):
+    out = run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--reps", "2", "--out", str(tmp_path)],
+              timeout=600, PYTHON=sys.executable)
+    assert "all checks ok" in out
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["ok"] and result["env"]["dry_run"]
+    mfu = result["mfu"]
+    assert mfu["peak_tflops"] == 989.0 and mfu["step_s_median"] > 0
+    assert mfu["mfu"] == pytest.approx(mfu["model_flops_per_step"] / mfu["step_s_median"] / 989e12)
+    assert result["dlpack"]["single_array"]["same_data_ptr"] and result["dlpack"]["tensors_checked"] > 10
+    assert result["dlpack"]["not_zero_copy"] == []
+    q = result["fp8_quantizer"]
+    assert q["projections"] == 2 * 7 and q["contiguous_GB_per_s"] > 0 and q["from_flax_GB_per_s"] > 0
+    assert q["roundtrip_max_abs_err"] <= q["roundtrip_bound"]
+
+
+def test_gpu_check_without_gpu_fails_fast_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2
+    assert "JAX sees no GPU" in proc.stderr and "--dry-run" in proc.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_rollout_run_dir_breakdown(tmp_path):
+    rows = [{"step": 0, "time/sync": 5.0}]  # the initial sync row has no time/step and must be skipped
+    for step in range(1, 6):
+        rows.append({"step": step, "time/generate": 0.5, "time/logprob": 0.1, "time/train": 0.2 + 0.01 * step,
+                     "time/sync": 0.02 * step, "time/step": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b = json.loads(run([sys.executable, "benchmarks/rollout.py", "--run-dir", str(tmp_path), "--json"], 120))
+    assert b["steps"] == 5
+    assert b["medians_s"]["time/sync"] == pytest.approx(0.06)
+    assert b["medians_s"]["time/train"] == pytest.approx(0.23)
+    assert b["shares"]["time/generate"] == pytest.approx(0.5)
+    assert b["other_share"] == pytest.approx(1 - (0.5 + 0.1 + 0.23 + 0.06))
+    assert b["sync_ok"] is False  # 6 % > 5 %
