@@ -10,7 +10,7 @@ from flax import nnx
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.model import Transformer
-from portable_rl.learner_jax.optim import make_optimizer, make_schedule
+from portable_rl.learner_jax.optim import make_optimizer, make_schedule, with_master_weights
 from portable_rl.learner_jax.step import make_train_step
 
 TINY = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -109,3 +109,56 @@ def test_remat_gives_the_same_gradients():
         return str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(ids))(state))
 
     assert "remat" in forward_jaxpr(remat) and "remat" not in forward_jaxpr(plain)
+
+
+def _adam_trajectory(tx, params, grads_seq):
+    state = tx.init(params)
+    for g in grads_seq:
+        updates, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def test_master_weights_follow_the_f32_trajectory_and_params_are_its_bf16_rounding():
+    rng = np.random.default_rng(0)
+    w32 = {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)}
+    w32 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), w32)   # same start on both sides
+    # One bf16-representable gradient, 100 times: both optimizers see identical inputs, and each AdamW step
+    # (≈ lr = 1e-4) is below half a bf16 ulp for most weights (|w| > 0.06), while 100 of them are not.
+    grads = [{"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.bfloat16)}] * 100
+    tx = make_optimizer(learning_rate=1e-4, max_grad_norm=None)
+
+    ref, _ = _adam_trajectory(tx, w32, [jax.tree.map(lambda g: g.astype(jnp.float32), g) for g in grads])
+    mixed, state = _adam_trajectory(with_master_weights(tx), jax.tree.map(lambda x: x.astype(jnp.bfloat16), w32),
+                                    grads)
+    assert mixed["w"].dtype == jnp.bfloat16 and state.master["w"].dtype == jnp.float32
+    np.testing.assert_allclose(state.master["w"], ref["w"], rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(mixed["w"], ref["w"].astype(jnp.bfloat16))   # bit for bit
+    # Plain AdamW on bf16 params drops every step smaller than half an ulp (most of them at |w| ~ 1);
+    # with the master, the bf16 params are off the f32 trajectory by one final rounding only.
+    plain, _ = _adam_trajectory(tx, jax.tree.map(lambda x: x.astype(jnp.bfloat16), w32), grads)
+    plain_err = float(jnp.abs(plain["w"].astype(jnp.float32) - ref["w"]).mean())
+    mixed_err = float(jnp.abs(mixed["w"].astype(jnp.float32) - ref["w"]).mean())
+    assert plain_err > 3 * mixed_err, (plain_err, mixed_err)
+
+
+def test_bf16_model_with_master_weights_trains_and_reports_lr():
+    config = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Transformer(config, param_dtype=jnp.bfloat16, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, with_master_weights(make_optimizer(learning_rate=3e-3)), wrt=nnx.Param)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (4, 10)), jnp.int32)
+
+    def loss_fn(m, batch):
+        logp, _ = sequence_logprobs(m, batch, jnp.ones_like(batch), 1.0)
+        return -logp[:, 1:].mean(), {}
+
+    step = make_train_step(loss_fn)
+    losses = [float(step(model, optimizer, ids)["loss"]) for _ in range(15)]
+    metrics = step(model, optimizer, ids)
+    assert losses[-1] < losses[0] - 0.1
+    assert float(metrics["learning_rate"]) == pytest.approx(3e-3) and metrics["grad_norm"].dtype == jnp.float32
+    master = optimizer.opt_state.master
+    for param, m in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(master)):
+        assert param.dtype == jnp.bfloat16 and m.dtype == jnp.float32
+        np.testing.assert_array_equal(param, m.astype(jnp.bfloat16))

@@ -7,11 +7,13 @@
 The first step already has a non-zero learning rate. Weight decay applies to matrices only
 (ndim >= 2), not to norm gains or biases. The whole chain is wrapped in `optax.inject_hyperparams`,
 so the learning rate used by the last update is readable with `current_learning_rate`.
+`with_master_weights` wraps any optimizer for bf16 params with f32 master params in its state.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +61,45 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: 
 def current_learning_rate(opt_state):
     """The learning rate of the last update, read from the `inject_hyperparams` state that
     `make_optimizer` puts at the top of the optimizer state; None for other optimizers."""
+    if isinstance(opt_state, MasterWeightsState):
+        opt_state = opt_state.inner
     hyperparams = getattr(opt_state, "hyperparams", None)
     if not hyperparams or "learning_rate" not in hyperparams:
         return None
     lr = hyperparams["learning_rate"]
     return lr[...] if hasattr(lr, "get_value") else lr
+
+
+class MasterWeightsState(NamedTuple):
+    master: optax.Params     # full-precision copy of the params; the optimizer steps these
+    inner: optax.OptState    # the wrapped optimizer's state (moments in the master dtype)
+
+
+def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:
+    """Mixed precision: low-precision (bf16) model params, full-precision master params in the optimizer state.
+
+        master ← master + inner_update(grads.astype(f32), master)      the optimizer only ever sees f32
+        params ← round_bf16(master)                                      what the model (and engines) use
+
+    Why: small AdamW steps vanish when added to bf16 params directly (|Δ| < half a bf16 ulp); the master
+    keeps them. And the model itself is bf16, so the weight push hands engines the model's own buffers
+    (DLPack, zero-copy) instead of casting every parameter at each sync (docs/benchmarks.md, "Weight sync").
+    The update returned to `optax.apply_updates` is round_bf16(master) − params computed in f32, which is
+    exact (both are bf16 values), so the params equal round_bf16(master) bit for bit after every step.
+    """
+
+    def init(params):
+        master = jax.tree.map(lambda p: jnp.asarray(p, dtype), params)
+        return MasterWeightsState(master=master, inner=inner.init(master))
+
+    def update(grads, state, params=None):
+        if params is None:
+            raise ValueError("with_master_weights needs params in update(); nnx.Optimizer passes them")
+        grads = jax.tree.map(lambda g: jnp.asarray(g, dtype), grads)
+        updates, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        to_params = jax.tree.map(
+            lambda m, p: m.astype(p.dtype).astype(dtype) - p.astype(dtype), master, params)
+        return to_params, MasterWeightsState(master=master, inner=inner_state)
+
+    return optax.GradientTransformation(init, update)

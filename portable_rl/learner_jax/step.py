@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -26,7 +28,9 @@ def make_train_step(loss_fn: Callable) -> Callable:
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (loss, metrics), grads = grad_fn(model, batch)
         optimizer.update(model, grads)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        # f32 norm: bf16 params (optim.with_master_weights) have bf16 grads, whose norm would round.
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
         lr = current_learning_rate(optimizer.opt_state)
         if lr is not None:
             metrics["learning_rate"] = lr
