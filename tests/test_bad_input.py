@@ -87,7 +87,12 @@ CLI_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CLI_CASES))
+# These fail after the model is loaded (~30 s each on 2 busy cores); the others fail while gin builds the task.
+_AFTER_MODEL_LOAD = ("checkpoint", "engine", "vocab")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _AFTER_MODEL_LOAD else c
+                                  for c in sorted(CLI_CASES)])
 def test_cli_bad_input_ends_with_one_line(case, cli_inputs, tmp_path):
     """The real train CLI: exit status 1, stderr is a single `error:` / `gin config error:` line, no traceback."""
     flags, expected = CLI_CASES[case]
