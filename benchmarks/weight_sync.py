@@ -3,6 +3,8 @@
 All rates are bytes of the bf16 HF tensors (the payload an engine receives) per second, measured in one run:
 
   memcpy        one torch copy_ of a buffer of the same size (the floor: nothing can move bytes faster)
+  update        one AdamW update of all params (for bf16 params: with f32 master params in the optimizer
+                state, `optim.with_master_weights`, which writes the bf16 params the push then exports)
   convert       Flax params → (hf_name, torch bf16 tensor) pairs (`iter_hf_tensors`: cast on the JAX side if
                 the learner's dtype differs, DLPack into torch, transposes as torch views), until every tensor
                 is ready
@@ -33,6 +35,34 @@ def timed(fn, repeats):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:
+    """One jitted AdamW update of every parameter, as the train step does it (gradients: ones).
+
+    With bf16 params the optimizer is `with_master_weights(AdamW)`, as `train(param_dtype="bfloat16")`
+    builds it: the bf16 copy the push exports is written by this update, so its cost shows here, not
+    in the conversion."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
+
+    tx = make_optimizer(learning_rate=1e-6)
+    if param_dtype == "bfloat16":
+        tx = with_master_weights(tx)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    update = nnx.jit(lambda m, o, g: o.update(m, g))
+
+    def run():
+        update(model, optimizer, grads)
+        jax.block_until_ready(nnx.state(model, nnx.Param))
+
+    seconds = timed(run, repeats)
+    del optimizer, grads
+    return seconds
 
 
 def main():
@@ -83,6 +113,7 @@ def main():
             pass  # torch.from_dlpack waits until the JAX computation producing the tensor is done
 
     t_convert = timed(convert, args.repeats)
+    t_update = optimizer_update_time(model, args.param_dtype, args.repeats)
 
     engine = create_engine("vllm", model_path=ckpt, max_model_len=256)
     probe = [[1, 2, 3, 4]]
@@ -107,6 +138,8 @@ def main():
 
     gib = 2 ** 30
     rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
+            ("optimizer update (AdamW" + (" + f32 master → bf16 params)" if args.param_dtype == "bfloat16"
+                                          else ", f32 params)"), t_update),
             ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk)]
     print(f"\n| path | time (s) | GiB/s |\n|---|---|---|")
     for name, t in rows:
