@@ -208,22 +208,24 @@ def test_damaged_committed_checkpoint_names_directory_and_fix(tmp_path):
         damage(d / "2")
         other, other_opt = _tiny_learner(1)
         before = _params(other)
-        ckpt = Checkpointer(d)
-        assert ckpt.latest_step() == 2   # committed: not moved aside, not skipped silently
-        with pytest.raises(CheckpointError) as info:
-            ckpt.restore(other, other_opt)
+        with Checkpointer(d) as ckpt:
+            assert ckpt.latest_step() == 2   # committed: not moved aside, not skipped silently
+            with pytest.raises(CheckpointError) as info:
+                ckpt.restore(other, other_opt)
         msg = str(info.value)
         assert f"checkpoint {d / '2'} cannot be restored" in msg, (name, msg)
         assert f"move it aside (mv {d / '2'} {d}/corrupt-2) to resume from step 1" in msg and "\n" not in msg
         assert all(np.array_equal(a, b) for a, b in zip(before, _params(other))), name  # model untouched
         os.rename(d / "2", d / "corrupt-2")   # the fix the message names
-        assert Checkpointer(d).restore(other, other_opt).step == 1
+        with Checkpointer(d) as ckpt:
+            assert ckpt.restore(other, other_opt).step == 1
     # A checkpoint of a different model (same run directory, other MODEL_PATH) names the same fix.
     from flax import nnx
     from portable_rl.learner_jax.model import Transformer
     wider = Transformer(dataclasses.replace(model.config, hidden_size=64), rngs=nnx.Rngs(0))
-    with pytest.raises(CheckpointError, match=r"not compatible with the stored shape.*different model"):
-        Checkpointer(src).restore(wider)
+    with Checkpointer(src) as ckpt, pytest.raises(CheckpointError, match=r"not compatible with the stored "
+                                                                        r"shape.*different model"):
+        ckpt.restore(wider)
 
 
 def test_unusable_checkpoint_directory(tmp_path):
