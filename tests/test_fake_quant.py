@@ -169,3 +169,26 @@ def test_wrapper_serves_fake_quantized_weights_from_the_start_and_after_pushes(e
     wrapped.update_weights([new[:5], new[5:]])
     reference.update_weights(list(fake_quantize_named_tensors(new, "mxfp4")))
     assert_same(sample(wrapped), sample(reference))
+
+
+# ------------------------------------------------------------------------------------------ gin recipe
+def test_gin_file_selects_the_wrapper_over_an_unquantized_vllm(tmp_path):
+    gin = pytest.importorskip("gin")
+    from portable_rl import gin_utils
+    from portable_rl.engines.registry import available_engines
+    from portable_rl.train import train
+
+    gin.clear_config()
+    try:
+        gin_utils.register_configurable(train, name="train")
+        gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/engines/fake_quant.gin"],
+                            [f"RUN_DIR = '{tmp_path}'", "FAKE_QUANT_SCHEME = 'nvfp4'"])
+        scope = "fake_quant/engines.create_engine"
+        assert gin.query_parameter(f"{scope}.name") == "fake_quant" and "fake_quant" in available_engines()
+        assert gin_utils.query_value(f"{scope}.scheme") == "nvfp4"
+        assert gin_utils.query_value(f"{scope}.engine") == "vllm"
+        kwargs = gin_utils.query_value(f"{scope}.engine_kwargs")
+        assert kwargs["engine_init_kwargs"] == {"quantization": None} and kwargs["max_model_len"] == 64
+        assert gin_utils.query_value("train.engine_factory").__name__ == "create_engine"
+    finally:
+        gin.clear_config()
