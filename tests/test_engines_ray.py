@@ -246,3 +246,9 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
     # The replacement holds the pushed weights, not the checkpoint's: the rollouts are those of the
     # undisturbed run, token for token and logprob for logprob.
     assert max_logprob_diff(rollouts, undisturbed) == 0.0
+
+
+@pytest.mark.slow
+def test_unsatisfiable_resources_fail_with_a_clear_error(ray_cluster, ckpt):
+    with pytest.raises(TimeoutError, match=r"did not start within 3 s; each needs \{'num_gpus': 1\}"):
+        RayEngineFleet(engine="vllm", model_path=ckpt, resources_per_engine={"num_gpus": 1}, start_timeout_s=3)

@@ -140,9 +140,12 @@ class RayEngineFleet(EngineAdapter):
                  model_path: str | None = None, num_engines: int = 1,
                  resources_per_engine: dict[str, Any] | None = None, address: str | None = None,
                  runtime_env: dict[str, Any] | None = None, ray_init_kwargs: dict[str, Any] | None = None,
-                 max_restarts: int = 3, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        import ray
-
+                 max_restarts: int = 3, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 start_timeout_s: float | None = 1800.0):
+        try:
+            import ray
+        except ImportError as e:
+            raise ImportError("the ray_fleet engine needs Ray: pip install -e '.[ray]' (or 'ray>=2.40')") from e
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines} must be >= 1")
         if engine == "ray_fleet":
@@ -155,6 +158,7 @@ class RayEngineFleet(EngineAdapter):
         self.runtime_env = runtime_env
         self.max_restarts = max_restarts
         self.bucket_bytes = bucket_bytes
+        self.start_timeout_s = start_timeout_s
         self.restarts = 0
         self._actors: list = []
         self._weight_refs: list | None = None  # the last push, kept for restarted engines
@@ -165,7 +169,7 @@ class RayEngineFleet(EngineAdapter):
         self._actor_cls = ray.remote(EngineHost)
         try:
             self._actors = [self._spawn() for _ in range(num_engines)]
-            ray.get([a.pid.remote() for a in self._actors])  # engines start in parallel; wait for all
+            self._wait_started(self._actors)  # engines start in parallel
             self.quantization = ray.get(self._actors[0].attribute.remote("quantization"))
         except BaseException:
             self.close()
@@ -177,6 +181,17 @@ class RayEngineFleet(EngineAdapter):
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
         return self._actor_cls.options(**options).remote(self.engine_name, self.engine_kwargs, ACTOR_ENV)
+
+    def _wait_started(self, actors: list) -> None:
+        import ray
+
+        try:
+            ray.get([a.pid.remote() for a in actors], timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{len(actors)} engine actor(s) did not start within {self.start_timeout_s:.0f} s; each needs "
+                f"{self.resources_per_engine} and the cluster has {ray.available_resources()} free: lower "
+                "num_engines / resources_per_engine, add nodes, or raise start_timeout_s") from None
 
     def _restart(self, i: int) -> None:
         """Replaces actor i: a fresh engine on the checkpoint, then the last pushed weights."""
@@ -192,7 +207,7 @@ class RayEngineFleet(EngineAdapter):
         actor = self._spawn()
         self._actors[i] = actor
         self.restarts += 1
-        ray.get(actor.pid.remote())
+        self._wait_started([actor])
         if self._weight_refs:
             ray.get(actor.update_weights.remote(self._weight_refs))
 
