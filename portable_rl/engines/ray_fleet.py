@@ -26,6 +26,7 @@ retries that engine's share; the call returns normally. `restarts` counts replac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any, Sequence
@@ -56,8 +57,6 @@ def shard_sampling(sampling: SamplingConfig, start: int) -> SamplingConfig:
     """The sampling config for a shard starting at global prompt `start` (seed offset start·n)."""
     if sampling.seed is None:
         return sampling
-    import dataclasses
-
     return dataclasses.replace(sampling, seed=sampling.seed + start * sampling.n)
 
 
