@@ -158,6 +158,19 @@ SCRIPT = textwrap.dedent(r'''
             probe_shape=list(got["probe_logprobs"].shape),
             metrics={k: (got["metrics"][k], base["metrics"][k]) for k in base["metrics"]},
             tis={k: (got["tis"][k], base["tis"][k]) for k in base["tis"]})
+    # An unsharded checkpoint restored into a sharded learner lands on the learner's shardings.
+    import tempfile
+    from portable_rl.learner_jax.checkpoint import Checkpointer
+    saved = Transformer(CFG, rngs=nnx.Rngs(0))
+    with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ckpt.save(1, saved, nnx.Optimizer(saved, make_optimizer(learning_rate=1e-3), wrt=nnx.Param))
+        model = Transformer(CFG, rngs=nnx.Rngs(1))
+        optimizer = nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param)
+        Learner(model, optimizer, ALG, CORR, mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+        ckpt.restore(model, optimizer)
+    kernel = model.layers[0].mlp.down_proj.kernel[...]
+    result["restore"] = dict(spec=str(kernel.sharding.spec),
+                             equal=bool(np.array_equal(kernel, saved.layers[0].mlp.down_proj.kernel[...])))
     print("RESULT " + json.dumps(result))
 ''')
 
@@ -189,3 +202,8 @@ def test_sharded_step_matches_single_device(sharded_run, mesh):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), k
     assert r["params_moved"] > 5e-4                 # the step changed the weights (lr 1e-3, Adam ~ lr·sign)
     assert r["params_after_max_diff"] < 1e-6, r["params_after_max_diff"]
+
+
+@pytest.mark.slow
+def test_unsharded_checkpoint_restores_onto_the_sharded_learner(sharded_run):
+    assert sharded_run["restore"] == {"spec": "P('tensor', 'fsdp')", "equal": True}
