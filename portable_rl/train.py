@@ -6,7 +6,9 @@ One step (docs/training.md):
     rollout correction (tis/) → mini-batch PPO updates → push weights to the engine → post-sync probe.
 
 `train()` is a plain keyword-only function; gin fills its arguments (gin_utils registers it). Rerunning
-the same command resumes from the newest checkpoint in `run_dir/checkpoints`.
+the same command resumes from the newest checkpoint in `run_dir/checkpoints`; SIGTERM finishes the
+current step, checkpoints it and exits (rl/preemption.py). `async_rollouts=True` overlaps generation of
+step k+1 with training on step k, one step off-policy (rl/async_rollout.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           eval_every: int = 10, eval_max_tokens: Optional[int] = None, eval_size: Optional[int] = None,
           checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
-          compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, progress: bool = True) -> list[dict]:
+          master_dtype: Optional[str] = "float32",
+          compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, async_rollouts: bool = False,
+          progress: bool = True) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call."""
     import jax
     import jax.numpy as jnp
@@ -35,18 +39,20 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
 
     from portable_rl import tis
     from portable_rl.convert.hf import load_hf_model
-    from portable_rl.learner_jax.optim import make_optimizer
+    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.learner_jax.checkpoint import Checkpointer
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import DapoConfig, build_batch
     from portable_rl.rl.evaluation import evaluate_examples
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.metrics import MetricsWriter
+    from portable_rl.rl.async_rollout import RolloutPrefetcher
     from portable_rl.rl.plots import write_plots
-    from portable_rl.rl.rollout import collect_groups
+    from portable_rl.rl.preemption import StopRequest
+    from portable_rl.rl.rollout import check_nonfinite_fraction, collect_groups
     from portable_rl.rl.sync import push_weights, run_probe
     from portable_rl.engines.base import SamplingConfig
-    from portable_rl.tasks import get_reward
+    from portable_rl.tasks import data_metrics, get_reward
 
     cfg = algorithm or DapoConfig()
     correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
@@ -63,6 +69,10 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     model, model_config = load_hf_model(model_path, param_dtype=jnp.dtype(param_dtype),
                                         compute_dtype=jnp.dtype(compute_dtype))
     tx = (optimizer_factory or make_optimizer)()
+    if master_dtype and jnp.dtype(master_dtype) != jnp.dtype(param_dtype):
+        # bf16 params + f32 master params in the optimizer state: small steps are kept, and the weight push
+        # hands engines the model's own bf16 buffers without a cast (optim.with_master_weights).
+        tx = with_master_weights(tx, jnp.dtype(master_dtype))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     learner = Learner(model, optimizer, cfg, correction)
 
@@ -83,6 +93,12 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
 
     engine = engine_factory(model_path=model_path)
+
+    def generate(step):  # data and sampling seeds depend only on (seed, step, draw): resumable
+        return collect_groups(engine, codec, task, reward_fn, cfg, step=step, seed=seed)
+
+    prefetch = RolloutPrefetcher(generate) if async_rollouts else None
+    ready = None  # async: (step, (groups, stats), generation seconds) of the batch generated during training
     rows = []
     try:
         t_sync = time.perf_counter()
@@ -93,37 +109,61 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         last_heldout = rows[-1]["accuracy/heldout"] if rows else float("nan")
         bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
                    desc="train", disable=not progress, dynamic_ncols=True)
-        for step in bar:
-            m, t0 = {}, time.perf_counter()
-            groups, gen_stats = collect_groups(engine, codec, task, reward_fn, cfg, step=step, seed=seed)
-            m.update(gen_stats)
-            t1 = time.perf_counter()
-            if groups:
-                batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
-                m.update(batch_stats)
-                m.update(learner.correct(batch))
-                t2 = time.perf_counter()
-                m.update(learner.update(batch))
-            else:  # every group had equal rewards in every draw: nothing to learn from this step
-                t2 = time.perf_counter()
-            t3 = time.perf_counter()
-            push_weights(engine, model, model_config, sync_bucket_mb)
-            t4 = time.perf_counter()
-            if probe_prompts:
-                m.update(run_probe(engine, learner, probe_ids, temperature=cfg.temperature,
-                                   max_tokens=cfg.max_response_tokens, pad_id=codec.pad_id))
-            if eval_every and (step % eval_every == 0 or step == train_steps):
-                m.update(heldout_accuracy())
-            m.update({"time/generate": t1 - t0, "time/logprob": t2 - t1, "time/train": t3 - t2,
-                      "time/sync": t4 - t3, "time/step": time.perf_counter() - t0})
-            rows.append(writer.write(step, m))
-            last_heldout = m.get("accuracy/heldout", last_heldout)
-            bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
-            if step % checkpoint_every == 0 or step == train_steps:
-                ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)},
-                           rng=jax.random.key(seed))
+        with StopRequest() as stop:
+            for step in bar:
+                m, t0 = {}, time.perf_counter()
+                if prefetch is None:
+                    groups, gen_stats = generate(step)
+                    gen_seconds = time.perf_counter() - t0
+                else:
+                    if ready is None:  # first step after (re)start: nothing to overlap with yet
+                        prefetch.submit(step)
+                        ready = prefetch.wait()
+                    (_, (groups, gen_stats), gen_seconds), ready = ready, None
+                    if step < train_steps and not stop.requested:
+                        prefetch.submit(step + 1)  # sampled with the engine's current weights, θ_{step-1}
+                m.update(gen_stats)
+                m.update(data_metrics(task))  # malformed dataset rows skipped so far (data/skipped_*)
+                # NaN/inf rollout logprobs are masked out of the loss; too many mean a broken engine: stop.
+                check_nonfinite_fraction(gen_stats, cfg.max_nonfinite_fraction)
+                t1 = time.perf_counter()
+                if groups:
+                    batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
+                    m.update(batch_stats)
+                    m.update(learner.correct(batch))
+                    t2 = time.perf_counter()
+                    m.update(learner.update(batch))
+                else:  # every group had equal rewards in every draw: nothing to learn from this step
+                    t2 = time.perf_counter()
+                t3 = time.perf_counter()
+                if prefetch is not None and prefetch.pending_step is not None:
+                    ready = prefetch.wait()  # the engine must be idle before its weights change
+                t_push = time.perf_counter()
+                push_weights(engine, model, model_config, sync_bucket_mb)
+                t4 = time.perf_counter()
+                if probe_prompts:
+                    m.update(run_probe(engine, learner, probe_ids, temperature=cfg.temperature,
+                                       max_tokens=cfg.max_response_tokens, pad_id=codec.pad_id))
+                if eval_every and (step % eval_every == 0 or step == train_steps):
+                    m.update(heldout_accuracy())
+                m.update({"time/generate": gen_seconds, "time/logprob": t2 - t1, "time/train": t3 - t2,
+                          "time/sync": t4 - t_push, "time/step": time.perf_counter() - t0})
+                if prefetch is not None:  # time the main thread sat idle waiting for rollouts
+                    m["time/wait_rollouts"] = (t1 - t0) + (t_push - t3)
+                rows.append(writer.write(step, m))
+                last_heldout = m.get("accuracy/heldout", last_heldout)
+                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
+                if step % checkpoint_every == 0 or step == train_steps or stop.requested:
+                    ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)},
+                               rng=jax.random.key(seed))
+                if stop.requested:
+                    print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to "
+                          "resume", flush=True)
+                    break
         ckpts.close()
     finally:
+        if prefetch is not None:
+            prefetch.close()
         writer.close()
         engine.close()
     write_plots(run_dir)
