@@ -103,7 +103,8 @@ SCRIPT = textwrap.dedent(r'''
         am = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
         rm = (am * (np.arange(T)[None] >= prompt)).astype(np.float32)
         return dict(input_ids=rng.integers(0, 125, (B, T)).astype(np.int32) * am, attention_mask=am,
-                    response_mask=rm, rollout_logprobs=(-2.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32) * rm,
+                    response_mask=rm,
+                    rollout_logprobs=(-2.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32) * rm,
                     advantages=(rng.standard_normal((B, 1)) * rm).astype(np.float32))
 
     def export(model, dtype):
@@ -146,7 +147,8 @@ SCRIPT = textwrap.dedent(r'''
         got = run(mc)
         diff = lambda k: max(float(np.max(np.abs(got[k][n] - base[k][n]))) for n in base[k])
         result[name] = dict(
-            spec_before=got["spec_before"], same_sharding_after=got["same_sharding_after"], embed_spec=got["embed_spec"],
+            spec_before=got["spec_before"], same_sharding_after=got["same_sharding_after"],
+            embed_spec=got["embed_spec"],
             replicated=got["replicated"], opt_sharded=got["opt_sharded"],
             export_before_max_diff=diff("export_before"), params_after_max_diff=diff("params_after"),
             params_moved=max(float(np.max(np.abs(got["params_after"][n] - got["params_before"][n])))
