@@ -88,10 +88,11 @@ def register_library() -> None:
     register_configurable(tis.RolloutCorrectionConfig, module="tis")
     register_configurable(tis.from_preset, name="from_preset", module="tis")
     register_configurable(dapo.DapoConfig, module="rl")
-    from portable_rl.learner_jax import optim
+    from portable_rl.learner_jax import optim, sharding
     from portable_rl import warmstart
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
+    register_configurable(sharding.MeshConfig, module="sharding")
     register_configurable(warmstart.warmstart, name="warmstart")
     _REGISTERED = True
 

@@ -30,8 +30,12 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
           master_dtype: Optional[str] = "float32",
           compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, async_rollouts: bool = False,
-          progress: bool = True) -> list[dict]:
-    """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call."""
+          mesh=None, progress: bool = True) -> list[dict]:
+    """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
+
+    `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
+    hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
+    """
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -41,6 +45,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.learner_jax.checkpoint import Checkpointer
+    from portable_rl.learner_jax.sharding import make_mesh
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import DapoConfig, build_batch
     from portable_rl.rl.evaluation import evaluate_examples
@@ -74,7 +79,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         # hands engines the model's own bf16 buffers without a cast (optim.with_master_weights).
         tx = with_master_weights(tx, jnp.dtype(master_dtype))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    learner = Learner(model, optimizer, cfg, correction)
+    # Before the restore below, so a checkpoint lands directly in the sharded layout.
+    learner = Learner(model, optimizer, cfg, correction, mesh=make_mesh(mesh) if mesh is not None else None)
 
     ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
     start_step = 0

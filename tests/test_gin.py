@@ -58,7 +58,8 @@ def test_rewrite_gin_args_quotes_bare_words_only():
 
 
 @pytest.mark.parametrize("name", TRAIN_FILES + ["grpo_bf16.gin", "dapo_fp8.gin+engines/sglang.gin",
-                                                "dapo_fp8.gin+recipes/sequence_tis.gin"])
+                                                "dapo_fp8.gin+recipes/sequence_tis.gin",
+                                                "dapo_fp8.gin+learner/mesh.gin"])
 def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     files = [f"gin/{f}" for f in name.split("+")]
     bindings = [f"RUN_DIR = '{tmp_path}/run'", "TRAIN_STEPS = 7", f"MODEL_PATH = '{data_files}/model'",
@@ -80,6 +81,9 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
         assert (corr.mode, corr.clip) == ("token", 2.0)
     if "sequence_tis" in name:
         assert (corr.mode, corr.clip) == ("sequence", 4.0)
+    if "mesh" in name:
+        mesh = bound["mesh"]
+        assert type(mesh).__name__ == "MeshConfig" and (mesh.data, mesh.fsdp, mesh.tensor) == (1, -1, 1)
     if "grpo" in name:
         assert not cfg.dynamic_sampling and cfg.loss_aggregation == "seq-mean-token-mean"
     engine_name = "sglang" if "sglang" in name else "vllm"
