@@ -251,14 +251,14 @@ def main():
     for size in sizes:
         for dtype in dtypes:
             results["runs"].append(bench_one(size, dtype, workdir, args.reps, args.torch_threads, shape))
-            if not args.json:
-                r = results["runs"][-1]
-                print(f"{size:>5} {dtype} {r['params'] / 1e6:7.1f}M  {r['rows']}x{r['seq']}  "
-                      f"ours {r['jax_step_s'] * 1e3:8.1f} ms ({r['jax_tokens_per_s']:8.0f} tok/s)  "
-                      f"torch {r['torch_step_s'] * 1e3:8.1f} ms ({r['torch_tokens_per_s']:8.0f} tok/s)  "
-                      f"ratio {r['ratio']:.2f}x  first-step loss {r['first_step']['jax']['loss']:.6f} vs "
-                      f"{r['first_step']['torch']['loss']:.6f} "
-                      f"({'same' if r['first_step']['same_work'] else 'DIFFERENT'})", flush=True)
+            r = results["runs"][-1]
+            print(f"{size:>5} {dtype} {r['params'] / 1e6:7.1f}M  {r['rows']}x{r['seq']}  "
+                  f"ours {r['jax_step_s'] * 1e3:8.1f} ms ({r['jax_tokens_per_s']:8.0f} tok/s)  "
+                  f"torch {r['torch_step_s'] * 1e3:8.1f} ms ({r['torch_tokens_per_s']:8.0f} tok/s)  "
+                  f"ratio {r['ratio']:.2f}x  first-step loss {r['first_step']['jax']['loss']:.6f} vs "
+                  f"{r['first_step']['torch']['loss']:.6f} "
+                  f"({'same' if r['first_step']['same_work'] else 'DIFFERENT'})",
+                  file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps(results))
     else:
