@@ -196,8 +196,9 @@ def _band(ax, out: Path, arm: str, seeds: list[int], steps: int, key: str, smoot
     ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
 
 
-def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path) -> list[Path]:
-    """results_accuracy.png, results_reward.png (FP8 arms | MXFP4 arms, bf16 in both), results_mismatch.png."""
+def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path, prefix: str = "results"
+         ) -> list[Path]:
+    """<prefix>_accuracy.png, _reward.png (FP8 arms | MXFP4 arms, bf16 in both), _mismatch.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -218,7 +219,7 @@ def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path
         axes[0].set_ylabel(ylabel)
         fig.suptitle(f"{ylabel}: mean over seeds, band = min–max", fontsize=10)
         fig.tight_layout()
-        written.append(img_dir / f"results_{name}.png")
+        written.append(img_dir / f"{prefix}_{name}.png")
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
 
@@ -232,7 +233,7 @@ def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    written.append(img_dir / "results_mismatch.png")
+    written.append(img_dir / f"{prefix}_mismatch.png")
     fig.savefig(written[-1], dpi=100)
     plt.close(fig)
     return written
@@ -313,6 +314,7 @@ def main(argv=None):
     p.add_argument("--warmstart", default="checkpoints/arith_warmstart",
                    help="copied into <out>/warmstart when it exists (it is gin/warmstart.gin's output)")
     p.add_argument("--img_dir", default="docs/img")
+    p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--probe_mismatch", nargs="*", default=None, choices=list(PROBE_ENGINES),
                    help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions")
@@ -344,8 +346,8 @@ def main(argv=None):
     summary = summarize(out, args.arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(out, args.arms, args.seeds, args.steps, img_dir)]
-    (out / "summary.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
+    plots = [str(p) for p in plot(out, args.arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
+    (out / f"summary_{args.steps}steps.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
                                                   "plots": plots}, indent=2))
     print(markdown_table(summary))
     print(f"[exp] summary: {out / 'summary.json'}; plots: {', '.join(plots)}")
