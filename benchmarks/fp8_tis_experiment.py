@@ -115,6 +115,23 @@ def run_one(arm: str, seed: int, steps: int, out: Path, model_path: Path) -> flo
     return time.time() - t0
 
 
+def bf16_report_path(run_dir: Path, steps: int) -> Path:
+    return run_dir / f"eval_bf16_greedy_step{steps}.json"
+
+
+def eval_bf16(run_dir: Path, steps: int) -> None:
+    """Greedy held-out accuracy of the learner's step-`steps` weights served by a bf16 engine.
+
+    The training log's accuracy/heldout is served by the arm's own (possibly quantized) engine; this
+    separates "the learned policy is worse" from "quantized serving of it is worse"."""
+    cmd = [sys.executable, "-m", "portable_rl.evaluate", "--gin_file=gin/eval/arithmetic_greedy.gin",
+           f"--gin_bindings=CHECKPOINT = '{run_dir}'", f"--gin_bindings=evaluate.step = {steps}",
+           "--gin_bindings=QUANTIZATION = None",
+           f"--gin_bindings=evaluate.report_path = '{bf16_report_path(run_dir, steps)}'"]
+    with open(run_dir / "eval_bf16.log", "a") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
 # ------------------------------------------------------------------------------------------ aggregation
 def series(rows: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if r.get(key) is not None}
@@ -141,8 +158,11 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
             reward = series(rows, "reward/mean")
             kl = series(rows, "tis/kl")
             last10 = [v for s, v in reward.items() if s > steps - 10]
+            bf16_report = bf16_report_path(out / arm / f"seed{seed}", steps)
             per_seed[seed] = {
                 "final_heldout": heldout[steps], "start_heldout": heldout.get(0, math.nan),
+                "final_heldout_bf16_served": (json.loads(bf16_report.read_text())["accuracy"]
+                                              if bf16_report.exists() else math.nan),
                 "peak_heldout": max(heldout.values()),
                 "final_reward_last10": sum(last10) / len(last10),
                 "mean_kl": sum(kl.values()) / len(kl), "max_kl": max(kl.values()),
@@ -153,7 +173,7 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
                 "mean_step_s": _mean(series(rows, "time/step").values()),
             }
         stats = {}
-        for key in ("final_heldout", "peak_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
+        for key in ("final_heldout", "final_heldout_bf16_served", "peak_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
                     "mean_probe_kl", "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s"):
             m, s = mean_std([v[key] for v in per_seed.values()])
             stats[key] = {"mean": m, "std": s}
@@ -167,16 +187,19 @@ def _mean(values) -> float:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | final reward (last 10 steps) "
-             "| mean mismatch KL `tis/kl` | mean post-sync probe KL | TIS clipped frac. |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | same weights served bf16 "
+             "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
+             "| post-sync probe KL | TIS clipped frac. |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         st = s["stats"]
         per = ", ".join(f"{s['per_seed'][k]['final_heldout'] * 100:.1f}" for k in s["seeds"])
         lines.append(
             f"| {s['label']} | {len(s['seeds'])} | {st['final_heldout']['mean'] * 100:.1f} ± "
-            f"{st['final_heldout']['std'] * 100:.1f} % | {per} | {st['final_reward_last10']['mean']:.3f} ± "
-            f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | "
+            f"{st['final_heldout']['std'] * 100:.1f} % | {per} | "
+            f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± {st['final_heldout_bf16_served']['std'] * 100:.1f} % | "
+            f"{st['final_reward_last10']['mean']:.3f} ± "
+            f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | {st['mean_k3_kl']['mean']:.4f} | "
             f"{st['mean_probe_kl']['mean']:.4f} | {st['mean_clipped_frac']['mean']:.4f} |")
     return "\n".join(lines)
 
@@ -223,7 +246,7 @@ def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     for arm in arms:
         _band(ax, out, arm, seeds, steps, "tis/k3_kl", 1)
     ax.set_yscale("log")
@@ -231,7 +254,7 @@ def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path
                  "(train batch, before the update; mean over seeds, band = min–max)", fontsize=9)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1.0), loc="upper left")
     fig.tight_layout()
     written.append(img_dir / f"{prefix}_mismatch.png")
     fig.savefig(written[-1], dpi=100)
@@ -316,6 +339,8 @@ def main(argv=None):
     p.add_argument("--img_dir", default="docs/img")
     p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
+    p.add_argument("--eval_bf16", action="store_true",
+                   help="also evaluate each finished run's step---steps weights greedily with a bf16 engine")
     p.add_argument("--probe_mismatch", nargs="*", default=None, choices=list(PROBE_ENGINES),
                    help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions")
     args = p.parse_args(argv)
@@ -343,6 +368,17 @@ def main(argv=None):
                 except subprocess.CalledProcessError as e:
                     print(f"[exp] {arm} seed {seed}: FAILED ({e}); see {run_dir / 'train.log'}", flush=True)
 
+    if args.eval_bf16:
+        for seed in args.seeds:
+            for arm in args.arms:
+                run_dir = out / arm / f"seed{seed}"
+                if is_finished(run_dir, args.steps) and not bf16_report_path(run_dir, args.steps).exists():
+                    print(f"[exp] {arm} seed {seed}: bf16 evaluation at step {args.steps}", flush=True)
+                    try:
+                        eval_bf16(run_dir, args.steps)
+                    except subprocess.CalledProcessError as e:
+                        print(f"[exp] {arm} seed {seed}: bf16 evaluation FAILED ({e})", flush=True)
+
     summary = summarize(out, args.arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -350,7 +386,7 @@ def main(argv=None):
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
                                                   "plots": plots}, indent=2))
     print(markdown_table(summary))
-    print(f"[exp] summary: {out / 'summary.json'}; plots: {', '.join(plots)}")
+    print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
 
 
 if __name__ == "__main__":
