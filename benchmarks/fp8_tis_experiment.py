@@ -119,13 +119,25 @@ def bf16_report_path(run_dir: Path, steps: int) -> Path:
     return run_dir / f"eval_bf16_greedy_step{steps}.json"
 
 
+def snapshot_dir(run_dir: Path, steps: int) -> Path:
+    """<out>/step<steps>_copies/<arm>/seed<k>: a copy of the step-`steps` checkpoint (the run keeps only 2)."""
+    return run_dir.parent.parent / f"step{steps}_copies" / run_dir.parent.name / run_dir.name
+
+
+def snapshot_checkpoint(run_dir: Path, steps: int) -> None:
+    src, dst = run_dir / "checkpoints" / str(steps), snapshot_dir(run_dir, steps) / "checkpoints" / str(steps)
+    if src.exists() and not dst.exists():
+        shutil.copytree(src, dst)
+
+
 def eval_bf16(run_dir: Path, steps: int) -> None:
     """Greedy held-out accuracy of the learner's step-`steps` weights served by a bf16 engine.
 
     The training log's accuracy/heldout is served by the arm's own (possibly quantized) engine; this
     separates "the learned policy is worse" from "quantized serving of it is worse"."""
+    ckpt = run_dir if (run_dir / "checkpoints" / str(steps)).exists() else snapshot_dir(run_dir, steps)
     cmd = [sys.executable, "-m", "portable_rl.evaluate", "--gin_file=gin/eval/arithmetic_greedy.gin",
-           f"--gin_bindings=CHECKPOINT = '{run_dir}'", f"--gin_bindings=evaluate.step = {steps}",
+           f"--gin_bindings=CHECKPOINT = '{ckpt}'", f"--gin_bindings=evaluate.step = {steps}",
            "--gin_bindings=QUANTIZATION = None",
            f"--gin_bindings=evaluate.report_path = '{bf16_report_path(run_dir, steps)}'"]
     with open(run_dir / "eval_bf16.log", "a") as log:
@@ -362,11 +374,13 @@ def main(argv=None):
             for arm in args.arms:
                 run_dir = out / arm / f"seed{seed}"
                 if is_finished(run_dir, args.steps):
+                    snapshot_checkpoint(run_dir, args.steps)
                     print(f"[exp] {arm} seed {seed}: done, skipped", flush=True)
                     continue
                 print(f"[exp] {arm} seed {seed}: running ({time.strftime('%H:%M:%S')})", flush=True)
                 try:
                     wall = run_one(arm, seed, args.steps, out, model_path)
+                    snapshot_checkpoint(run_dir, args.steps)
                     print(f"[exp] {arm} seed {seed}: finished in {wall:.0f} s", flush=True)
                 except subprocess.CalledProcessError as e:
                     print(f"[exp] {arm} seed {seed}: FAILED ({e}); see {run_dir / 'train.log'}", flush=True)
