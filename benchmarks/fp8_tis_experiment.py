@@ -150,6 +150,7 @@ def series(rows: list[dict], key: str) -> dict[int, float]:
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if not math.isnan(x)]  # e.g. a seed without a bf16-served evaluation
     if not xs:
         return math.nan, math.nan
     m = sum(xs) / len(xs)
@@ -176,6 +177,9 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
                 "final_heldout_bf16_served": (json.loads(bf16_report.read_text())["accuracy"]
                                               if bf16_report.exists() else math.nan),
                 "peak_heldout": max(heldout.values()),
+                # paired, same weights: > 0 when the learner's policy beats its quantized serving
+                "bf16_minus_own_serving": (json.loads(bf16_report.read_text())["accuracy"] - heldout[steps]
+                                           if bf16_report.exists() else math.nan),
                 # every evaluation in the second half of the run: less evaluation noise than the last one
                 "late_heldout": _mean([v for s, v in heldout.items() if s >= steps / 2]),
                 "final_reward_last10": sum(last10) / len(last10),
@@ -187,7 +191,7 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
                 "mean_step_s": _mean(series(rows, "time/step").values()),
             }
         stats = {}
-        for key in ("final_heldout", "final_heldout_bf16_served", "peak_heldout", "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
+        for key in ("final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout", "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
                     "mean_probe_kl", "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s"):
             m, s = mean_std([v[key] for v in per_seed.values()])
             stats[key] = {"mean": m, "std": s}
@@ -202,9 +206,10 @@ def _mean(values) -> float:
 
 def markdown_table(summary: dict) -> str:
     lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | mean of the evals at step ≥ steps/2 | same weights served bf16 "
+             "| bf16-served − own-served (paired) "
              "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
              "| post-sync probe KL | TIS clipped frac. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         st = s["stats"]
         per = ", ".join(f"{s['per_seed'][k]['final_heldout'] * 100:.1f}" for k in s["seeds"])
@@ -212,7 +217,9 @@ def markdown_table(summary: dict) -> str:
             f"| {s['label']} | {len(s['seeds'])} | {st['final_heldout']['mean'] * 100:.1f} ± "
             f"{st['final_heldout']['std'] * 100:.1f} % | {per} | "
             f"{st['late_heldout']['mean'] * 100:.1f} ± {st['late_heldout']['std'] * 100:.1f} % | "
-            f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± {st['final_heldout_bf16_served']['std'] * 100:.1f} % | "
+            f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± {st['final_heldout_bf16_served']['std'] * 100:.1f} % "
+            f"(n={sum(not math.isnan(s['per_seed'][k]['final_heldout_bf16_served']) for k in s['seeds'])}) | "
+            f"{st['bf16_minus_own_serving']['mean'] * 100:+.1f} ± {st['bf16_minus_own_serving']['std'] * 100:.1f} | "
             f"{st['final_reward_last10']['mean']:.3f} ± "
             f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | {st['mean_k3_kl']['mean']:.4f} | "
             f"{st['mean_probe_kl']['mean']:.4f} | {st['mean_clipped_frac']['mean']:.4f} |")
