@@ -123,6 +123,8 @@ def throughput(args) -> dict:
                     raise RuntimeError(f"{kind}: {n_tokens} tokens, {tokens[kind]} in the warm-up round")
                 if i:
                     times[kind].append(elapsed)
+                print(f"rollout: round {i} {kind}: {n_tokens} tokens in {elapsed:.2f} s"
+                      f"{' (warm-up)' if i == 0 else ''}", file=sys.stderr, flush=True)
     finally:
         for engine in engines.values():
             engine.close()
