@@ -163,6 +163,11 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, s
 
 
+STAT_KEYS = ("final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout",
+             "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl", "mean_probe_kl",
+             "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s")
+
+
 def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
     summary = {}
     for arm in arms:
@@ -196,8 +201,7 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
                 "mean_step_s": _mean(series(rows, "time/step").values()),
             }
         stats = {}
-        for key in ("final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout", "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl",
-                    "mean_probe_kl", "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s"):
+        for key in STAT_KEYS:
             m, s = mean_std([v[key] for v in per_seed.values()])
             stats[key] = {"mean": m, "std": s}
         summary[arm] = {"label": ARMS[arm][2], "seeds": sorted(per_seed), "per_seed": per_seed, "stats": stats}
@@ -210,20 +214,22 @@ def _mean(values) -> float:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | mean of the evals at step ≥ steps/2 | same weights served bf16 "
+    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | mean of the evals at step ≥ steps/2 "
+             "| same weights served bf16 "
              "| bf16-served − own-served (paired) "
              "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
              "| post-sync probe KL | TIS clipped frac. |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         st = s["stats"]
+        n_bf16 = sum(not math.isnan(s["per_seed"][k]["final_heldout_bf16_served"]) for k in s["seeds"])
         per = ", ".join(f"{s['per_seed'][k]['final_heldout'] * 100:.1f}" for k in s["seeds"])
         lines.append(
             f"| {s['label']} | {len(s['seeds'])} | {st['final_heldout']['mean'] * 100:.1f} ± "
             f"{st['final_heldout']['std'] * 100:.1f} % | {per} | "
             f"{st['late_heldout']['mean'] * 100:.1f} ± {st['late_heldout']['std'] * 100:.1f} % | "
-            f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± {st['final_heldout_bf16_served']['std'] * 100:.1f} % "
-            f"(n={sum(not math.isnan(s['per_seed'][k]['final_heldout_bf16_served']) for k in s['seeds'])}) | "
+            f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± "
+            f"{st['final_heldout_bf16_served']['std'] * 100:.1f} % (n={n_bf16}) | "
             f"{st['bf16_minus_own_serving']['mean'] * 100:+.1f} ± {st['bf16_minus_own_serving']['std'] * 100:.1f} | "
             f"{st['final_reward_last10']['mean']:.3f} ± "
             f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | {st['mean_k3_kl']['mean']:.4f} | "
@@ -412,8 +418,8 @@ def main(argv=None):
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
     plots = [str(p) for p in plot(out, args.arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
-    (out / f"summary_{args.steps}steps.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "arms": summary,
-                                                  "plots": plots}, indent=2))
+    summary_json = {"steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
+    (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
 
