@@ -244,6 +244,15 @@ def check_quantizer(model, config, device: str, reps: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- driver
+def write_results(results: dict, out_dir: str) -> str:
+    """Writes (or rewrites) out_dir/gpu_check.json; called after every check so a timeout keeps the rest."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    return path
+
+
 def run_check(results: dict, name: str, fn, *args) -> None:
     start = time.perf_counter()
     try:
@@ -253,6 +262,7 @@ def run_check(results: dict, name: str, fn, *args) -> None:
     results[name]["seconds"] = time.perf_counter() - start
     print(f"gpu_check: {name} done in {results[name]['seconds']:.1f} s: "
           f"{json.dumps({k: v for k, v in results[name].items() if k != 'traceback'})}", flush=True)
+    write_results(results, results["out_dir"])
 
 
 def main():
@@ -268,7 +278,7 @@ def main():
     rows = args.rows or (2 if args.dry_run else 8)
     seq = args.seq or (32 if args.dry_run else 1024)
     t0 = time.perf_counter()
-    results = {"env": check_environment(args.dry_run), "peak_flops_source":
+    results = {"env": check_environment(args.dry_run), "out_dir": args.out, "peak_flops_source":
                "H200 SXM dense bf16 989 TFLOP/s (NVIDIA datasheet, without sparsity)"}
     device = "cpu" if args.dry_run else "cuda"
     model, config = build_model(MODEL_TINY if args.dry_run else MODEL_1B)
@@ -281,10 +291,7 @@ def main():
     run_check(results, "fp8_quantizer", check_quantizer, model, config, device, 3)
     results["total_s"] = time.perf_counter() - t0
     results["ok"] = all(results[k].get("ok") for k in ("mfu", "dlpack", "fp8_quantizer"))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+    path = write_results(results, args.out)
     print(json.dumps(results, indent=2))
     print(f"gpu_check: wrote {path}; {'all checks ok' if results['ok'] else 'SOME CHECKS FAILED'} "
           f"in {results['total_s']:.0f} s", flush=True)
