@@ -72,7 +72,7 @@ def check_environment(dry_run: bool) -> dict:
            "jax_devices": [str(d) for d in jax.devices()], "jax_backend": jax.default_backend(),
            "torch_cuda": torch.cuda.is_available(), "dry_run": dry_run}
     if not dry_run:
-        if jax.default_backend() != "gpu":
+        if jax.default_backend() not in ("gpu", "cuda"):
             fail(f"JAX sees no GPU (backend {jax.default_backend()!r}, devices {env['jax_devices']}); "
                  f"install jax[cuda12] or use --dry-run on CPU")
         if not torch.cuda.is_available():
