@@ -21,6 +21,9 @@ JAX uses XLA's CPU thread pool (all cores). The 1-minute load average before/aft
 
     python benchmarks/learner_step.py [--sizes tiny,small,100m] [--dtypes fp32,bf16] [--reps 5] [--json]
                                       [--rows R --seq T]   (one batch shape for every size)
+
+Runtime on the 2-core box: ~6 min for the three sizes at load ~3, ~16 min at load ~15 (mostly the 100m
+size; `--sizes tiny,small` takes 1-2 min).
 """
 
 from __future__ import annotations
