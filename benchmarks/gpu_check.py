@@ -234,7 +234,6 @@ def check_quantizer(model, config, device: str, reps: int) -> dict:
     q, scale_inv = quantize_blockwise_fp8(w)
     err = (dequantize_blockwise_fp8(q, scale_inv) - w.float()).abs().max().item()
     bound = w.float().abs().max().item() / 8
-    del projections
     return {"device": str(q.device), "projections": n_projections,
             "bf16_GB": n_bytes / 1e9, "contiguous_s": t_contiguous,
             "contiguous_GB_per_s": n_bytes / 1e9 / t_contiguous,
