@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray")
 from portable_rl.engines import SamplingConfig  # noqa: E402
 from portable_rl.engines.ray_fleet import (RayEngineFleet, pack_bucket, shard_bounds, shard_sampling,  # noqa: E402
                                            unpack_bucket)
+from portable_rl.testing.perturb import perturbed  # noqa: E402
 
 PROMPTS = [[1, 40 + i, 41, 42 + i % 3] for i in range(7)]
 SAMPLING = SamplingConfig(temperature=0.8, max_tokens=12, n=2, seed=11)
@@ -142,18 +143,6 @@ def learner(ckpt):
     from portable_rl.convert.hf import load_hf_model
 
     return load_hf_model(ckpt)
-
-
-def perturbed(model, seed):
-    """A copy of `model` with every parameter moved by 0.05 · N(0, 1) noise (a stand-in for training)."""
-    import jax
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 def push(fleet, model, config):

@@ -20,7 +20,6 @@ import pytest
 pytest.importorskip("vllm")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model  # noqa: E402
 from portable_rl.convert.to_torch import bucketed, iter_hf_tensors  # noqa: E402
@@ -28,6 +27,7 @@ from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.probe import ProbeMismatchError, compare_logprobs, run_probe  # noqa: E402
 from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
 from portable_rl.learner_jax.logprobs import sequence_logprobs  # noqa: E402
+from portable_rl.testing.perturb import perturbed  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -107,15 +107,6 @@ def test_bf16_logprobs_match_learner_at_temperature(bf16_engine, learner):
     # The same tokens scored at T=1 (what logprobs_mode="raw_logprobs" would return) are far off:
     # this is what the processed_logprobs mode buys.
     assert rollout_mismatch(model, rollouts, 1.0).max_abs_diff > 3 * BF16_MAX_ABS_DIFF
-
-
-def perturbed(model, seed):
-    """A copy of `model` with every parameter moved by 0.05 · N(0, 1) noise (a stand-in for training)."""
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 @pytest.fixture(scope="module")
