@@ -18,29 +18,14 @@ and the object store is not the bottleneck) and fleet-1 / in-process (the price 
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
-
-def timed(fn, repeats):
-    """Median wall time of `repeats` calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_size_args(parser, layers=6, hidden=768, intermediate=2048, heads=12, vocab=32000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray instance")
@@ -55,15 +40,10 @@ def main():
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines import create_engine
     from portable_rl.engines.ray_fleet import RayEngineFleet, _buckets, pack_bucket
-    from portable_rl.testing import make_tiny_checkpoint
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="fleet_push_")
     ckpt = os.path.join(workdir, "ckpt")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_tiny_checkpoint(ckpt, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                             intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                             num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                             head_dim=args.hidden // args.heads, tie_word_embeddings=False, max_positions=512)
+    random_qwen2_checkpoint(ckpt, args)
     model, config = load_hf_model(ckpt)
     pairs = list(iter_hf_tensors(model, config))  # the same views are pushed every time
     n_params = sum(t.numel() for _, t in pairs)

@@ -21,20 +21,9 @@ Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
-import time
 
-
-def timed(fn, repeats):
-    """Median wall time of `repeats` calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:
@@ -67,11 +56,7 @@ def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_size_args(parser, layers=24, hidden=1024, intermediate=4096, heads=16, vocab=32000)
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
@@ -84,16 +69,10 @@ def main():
     from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines import SamplingConfig, create_engine
-    from portable_rl.testing import make_tiny_checkpoint
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="weight_sync_")
     ckpt = os.path.join(workdir, "ckpt")
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_tiny_checkpoint(ckpt, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
-                             intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                             num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                             head_dim=args.hidden // args.heads, tie_word_embeddings=False,
-                             max_positions=512)
+    random_qwen2_checkpoint(ckpt, args)
     model, config = load_hf_model(ckpt, param_dtype=jnp.dtype(args.param_dtype))
     pairs = list(iter_hf_tensors(model, config))
     n_params = sum(t.numel() for _, t in pairs)
@@ -141,7 +120,7 @@ def main():
             ("optimizer update (AdamW" + (" + f32 master → bf16 params)" if args.param_dtype == "bfloat16"
                                           else ", f32 params)"), t_update),
             ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk)]
-    print(f"\n| path | time (s) | GiB/s |\n|---|---|---|")
+    print("\n| path | time (s) | GiB/s |\n|---|---|---|")
     for name, t in rows:
         print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")
     print(f"\nconvert / memcpy throughput: {t_memcpy / t_convert:.2f}x (target >= 0.8x)")
