@@ -39,7 +39,8 @@ def main():
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines import create_engine
-    from portable_rl.engines.ray_fleet import RayEngineFleet, _buckets, pack_bucket
+    from portable_rl.convert.buckets import bucketed
+    from portable_rl.engines.ray_fleet import RayEngineFleet, pack_bucket
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="fleet_push_")
     ckpt = os.path.join(workdir, "ckpt")
@@ -57,7 +58,7 @@ def main():
     results = {}
 
     def put_only():
-        refs = [ray.put(pack_bucket(b)) for b in _buckets(pairs, bucket_bytes)]
+        refs = [ray.put(pack_bucket(b)) for b in bucketed(pairs, bucket_bytes)]
         del refs  # freed again, as the fleet frees the previous push
 
     results["put"] = timed(put_only, args.repeats)

@@ -31,6 +31,7 @@ import os
 import warnings
 from typing import Any, Sequence
 
+from portable_rl.convert.buckets import bucketed
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
                                       flatten_named_tensors)
 from portable_rl.engines.registry import create_engine, register
@@ -82,19 +83,6 @@ def unpack_bucket(packed) -> list[tuple[str, Any]]:
         for name, dtype, shape, raw in packed:
             pairs.append((name, torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)))
     return pairs
-
-
-def _buckets(named_tensors: NamedTensors, bucket_bytes: int):
-    """Re-groups pairs (or buckets of pairs) into buckets of about `bucket_bytes`."""
-    bucket, size = [], 0
-    for name, tensor in flatten_named_tensors(named_tensors):
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 class EngineHost:
@@ -288,7 +276,8 @@ class RayEngineFleet(EngineAdapter):
         self._require_actors()
         self._weight_refs = None  # drop the previous push first: one copy of the weights in the store
         self._weights_known = False
-        refs = [ray.put(pack_bucket(bucket)) for bucket in _buckets(named_tensors, self.bucket_bytes)]
+        buckets = bucketed(flatten_named_tensors(named_tensors), self.bucket_bytes)
+        refs = [ray.put(pack_bucket(bucket)) for bucket in buckets]
         self._weight_refs, self._weights_known = refs, True
         try:
             self._broadcast("update_weights", refs)
