@@ -28,7 +28,7 @@ from portable_rl.testing.perturb import perturbed  # noqa: E402
 
 PROMPTS = [[1, 40 + i, 41, 42 + i % 3] for i in range(7)]
 SAMPLING = SamplingConfig(temperature=0.8, max_tokens=12, n=2, seed=11)
-# Long enough (16 prompts × 4 samples × up to 160 tokens, ~3-5 s here) to kill an engine in the middle of it.
+# Long enough (16 prompts × 4 samples × up to 160 tokens) that the kill test can hit an engine mid-generation.
 LONG_PROMPTS = [[1, 30 + i, 31, 32] for i in range(16)]
 LONG_SAMPLING = SamplingConfig(temperature=1.0, max_tokens=160, n=4, seed=5)
 BF16_MAX_ABS_DIFF = 0.1  # engine vs learner, same bf16 weights; derivation in tests/test_engines_vllm.py
@@ -211,14 +211,16 @@ def test_push_reaches_every_engine(fleet, learner):
 def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, learner):
     model, config = learner
     push(fleet, perturbed(model, seed=2), config)
+    started = time.monotonic()
     undisturbed = fleet.generate(LONG_PROMPTS, LONG_SAMPLING)
+    duration = time.monotonic() - started  # kill a third of the way in, however fast this box is
     assert tokens(undisturbed) != tokens(fleet.checkpoint_long_rollouts)  # pushed weights matter here
     pids = fleet.engine_pids()
     restarts = fleet.restarts
     killed_at = []
 
     def kill_engine_1():
-        time.sleep(1.0)
+        time.sleep(duration / 3)
         os.kill(pids[1], signal.SIGKILL)
         killed_at.append(time.monotonic())
 
