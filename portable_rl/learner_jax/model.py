@@ -26,6 +26,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.dense import dense
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias) in the compute dtype, float32 accumulation forward and backward
+    (dense.py says why not `nnx.Linear`). Parameter names and init match `nnx.Linear`."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, param_dtype,
+                 compute_dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (in_features, out_features),
+                                                              param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x):  # [..., in] -> [..., out] compute dtype
+        y = dense(x, self.kernel[...], self.compute_dtype, self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.compute_dtype)
+        return y
 
 
 class RMSNorm(nnx.Module):
@@ -128,12 +147,11 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         c = config
         d, h, n, k = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        linear = dict(dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
-        self.q_proj = nnx.Linear(d, n * h, use_bias=c.qkv_bias, **linear)
-        self.k_proj = nnx.Linear(d, k * h, use_bias=c.qkv_bias, **linear)
-        self.v_proj = nnx.Linear(d, k * h, use_bias=c.qkv_bias, **linear)
-        self.o_proj = nnx.Linear(n * h, d, use_bias=c.o_proj_bias, **linear)
+        linear = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+        self.q_proj = Linear(d, n * h, use_bias=c.qkv_bias, **linear)
+        self.k_proj = Linear(d, k * h, use_bias=c.qkv_bias, **linear)
+        self.v_proj = Linear(d, k * h, use_bias=c.qkv_bias, **linear)
+        self.o_proj = Linear(n * h, d, use_bias=c.o_proj_bias, **linear)
         if c.qk_norm:
             norm = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
             self.q_norm = RMSNorm(h, c.rms_norm_eps, **norm)
@@ -156,11 +174,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        linear = dict(use_bias=False, dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
-        self.gate_proj = nnx.Linear(d, f, **linear)
-        self.up_proj = nnx.Linear(d, f, **linear)
-        self.down_proj = nnx.Linear(f, d, **linear)
+        linear = dict(use_bias=False, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+        self.gate_proj = Linear(d, f, **linear)
+        self.up_proj = Linear(d, f, **linear)
+        self.down_proj = Linear(f, d, **linear)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -208,9 +225,8 @@ class Transformer(nnx.Module):
                                 for _ in range(config.num_hidden_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False,
-                                      dtype=compute_dtype, param_dtype=param_dtype, rngs=rngs,
-                                      kernel_init=nnx.initializers.normal(0.02))
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, use_bias=False, **dtypes,
+                                  rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None):
         B, T = input_ids.shape
@@ -232,7 +248,7 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         # Logits: compute-dtype inputs, float32 accumulation and output (no bf16 rounding of logits).
         if self.config.tie_word_embeddings:
-            w = self.embed.embedding[...].astype(self.compute_dtype).T        # [D, V]
+            w = self.embed.embedding[...].T                                   # [D, V]
         else:
-            w = self.lm_head.kernel[...].astype(self.compute_dtype)           # [D, V]
-        return jnp.dot(x, w, preferred_element_type=jnp.float32)               # [B, T, V]
+            w = self.lm_head.kernel[...]                                      # [D, V]
+        return dense(x, w, self.compute_dtype, jnp.float32)                     # [B, T, V] f32
