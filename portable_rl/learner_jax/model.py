@@ -205,7 +205,9 @@ _apply_layer_remat = nnx.remat(_apply_layer)
 
 
 class Transformer(nnx.Module):
-    """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`.
+    """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`,
+    i.e. `model.logits(model.hidden_states(input_ids, attention_mask))`; the two halves let a caller
+    drop positions before the vocabulary-sized head (sequence_logprobs drops the last one).
 
     `remat=True` recomputes each layer in the backward pass (activation memory of one layer
     instead of all of them, for about one extra forward pass of compute).
@@ -229,6 +231,10 @@ class Transformer(nnx.Module):
                                   rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None):
+        return self.logits(self.hidden_states(input_ids, attention_mask))
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        """[B, T] ids -> [B, T, D] final-norm outputs in the compute dtype (the head's input)."""
         B, T = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((B, T), jnp.int32)
@@ -245,10 +251,13 @@ class Transformer(nnx.Module):
         apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
             x = apply(layer, x, cos, sin, mask)
-        x = self.final_norm(x)
+        return self.final_norm(x)
+
+    def logits(self, x):
+        """[..., D] hidden states -> [..., V] float32 logits."""
         # Logits: compute-dtype inputs, float32 accumulation and output (no bf16 rounding of logits).
         if self.config.tie_word_embeddings:
             w = self.embed.embedding[...].T                                   # [D, V]
         else:
             w = self.lm_head.kernel[...]                                      # [D, V]
-        return dense(x, w, self.compute_dtype, jnp.float32)                     # [B, T, V] f32
+        return dense(x, w, self.compute_dtype, jnp.float32)                     # [..., V] f32
