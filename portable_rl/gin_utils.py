@@ -15,8 +15,8 @@ Library callables are registered here with `gin.external_configurable`, under sh
 Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
 unknown configurable, missing REQUIRED macro) and the library's user errors (`USER_ERRORS`: unknown
 engine / reward, missing or unreadable files, malformed dataset, tokenizer/model vocabulary mismatch,
-corrupt checkpoint, rejected weight push, too many non-finite rollout logprobs). Set
-`PORTABLE_RL_TRACEBACK=1` to see the traceback instead.
+corrupt checkpoint, rejected weight push, an engine fleet the cluster cannot place, too many
+non-finite rollout logprobs). Set `PORTABLE_RL_TRACEBACK=1` to see the traceback instead.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ USER_ERRORS = (
     ("builtins", "PermissionError"),
     ("portable_rl.engines.registry", "UnknownEngineError"),
     ("portable_rl.engines.vllm_adapter", "WeightUpdateError"),
+    ("portable_rl.engines.ray_fleet", "FleetStartTimeoutError"),
     ("portable_rl.tasks.rewards", "UnknownRewardError"),
     ("portable_rl.tasks.math_dataset", "DatasetError"),
     ("portable_rl.rl.codec", "VocabularyMismatchError"),

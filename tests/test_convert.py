@@ -271,3 +271,19 @@ def test_config_family_defaults():
         ModelConfig(family="mistral", **dims)
     with pytest.raises(ValueError, match="multiple of"):
         ModelConfig(family="llama", **{**dims, "num_key_value_heads": 3})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_tiny_checkpoint_smallest_vocab_fits_its_tokenizer(tmp_path, family):
+    """The smallest vocab_size make_tiny_checkpoint accepts is one the codec's vocabulary check accepts;
+    one less is refused before anything is written."""
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.testing.tiny_checkpoint import min_vocab_size
+
+    smallest = min_vocab_size(family)
+    path = make_tiny_checkpoint(tmp_path / "ok", family, vocab_size=smallest)
+    codec = TextCodec(path)
+    assert max(codec.tokenizer.get_vocab().values()) == smallest - 1
+    with pytest.raises(ValueError, match=f"use vocab_size >= {smallest}"):
+        make_tiny_checkpoint(tmp_path / "bad", family, vocab_size=smallest - 1)
+    assert not (tmp_path / "bad").exists()

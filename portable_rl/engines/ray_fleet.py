@@ -85,6 +85,10 @@ def unpack_bucket(packed) -> list[tuple[str, Any]]:
     return pairs
 
 
+class FleetStartTimeoutError(TimeoutError):
+    """The cluster could not place the engine actors in time (a user error: too few resources)."""
+
+
 class EngineHost:
     """The Ray actor: one adapter in its own process. Methods mirror `EngineAdapter`."""
 
@@ -175,7 +179,7 @@ class RayEngineFleet(EngineAdapter):
         try:
             ray.get([a.pid.remote() for a in actors], timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
+            raise FleetStartTimeoutError(
                 f"{len(actors)} engine actor(s) did not start within {self.start_timeout_s:.0f} s; each needs "
                 f"{self.resources_per_engine} and the cluster has {ray.available_resources()} free: lower "
                 "num_engines / resources_per_engine, add nodes, or raise start_timeout_s") from None

@@ -61,20 +61,28 @@ def _hf_config(family: str, vocab_size: int, size: dict[str, Any], max_positions
     raise ValueError(f"unknown family {family!r}; expected one of: qwen2, qwen3, llama")
 
 
+def min_vocab_size(family: str) -> int:
+    """Token ids the written tokenizer has once loaded: transformers loads a qwen2 checkpoint's
+    tokenizer as `Qwen2Tokenizer`, which appends its unk token <|endoftext|> as id 98."""
+    return CHAR_VOCAB_SIZE + (family == "qwen2")
+
+
 def make_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, size: str = "tiny",
                          seed: int = 0, dtype: str = "bfloat16", vocab_size: int = 128,
                          max_positions: int = 512, tie_word_embeddings: bool | None = None,
                          init_std: float = 0.02, **overrides: Any) -> str:
     """Writes a random `family` checkpoint (qwen2 | qwen3 | llama) to `path` and returns the path.
 
-    `vocab_size` may exceed the tokenizer's 98 tokens (real checkpoints pad their vocab too).
+    `vocab_size` may exceed the tokenizer's tokens (real checkpoints pad their vocab too) but not be
+    below them: 98, or 99 for qwen2 (see `min_vocab_size`).
     `overrides` replace entries of the size preset (e.g. num_hidden_layers=1).
     """
     import torch
     import transformers
 
-    if vocab_size < CHAR_VOCAB_SIZE:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {CHAR_VOCAB_SIZE} tokens")
+    if vocab_size < min_vocab_size(family):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the {min_vocab_size(family)} tokens a {family} "
+                         f"checkpoint's tokenizer loads with; use vocab_size >= {min_vocab_size(family)}")
     if size not in TINY_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(TINY_SIZES)}")
     dims = {**TINY_SIZES[size], **overrides}
