@@ -162,3 +162,33 @@ def test_bf16_model_with_master_weights_trains_and_reports_lr():
     for param, m in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(master)):
         assert param.dtype == jnp.bfloat16 and m.dtype == jnp.float32
         np.testing.assert_array_equal(param, m.astype(jnp.bfloat16))
+
+
+def test_train_step_donates_params_but_never_a_dlpack_exported_buffer():
+    """make_train_step updates params and moments in place (the old buffers are donated), and a
+    param still viewed by torch through DLPack is left intact: the view keeps the pre-step values."""
+    import torch
+
+    from portable_rl.learner_jax.step import make_train_step
+
+    cfg = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = Transformer(cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_optimizer(learning_rate=1e-2), wrt=nnx.Param)
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 64
+
+    def loss_fn(model, batch):
+        return jnp.mean(model(batch) ** 2), {}
+
+    step = make_train_step(loss_fn)
+    step(model, optimizer, ids)                                   # compile; moments now exist
+    up = model.layers[0].mlp.up_proj.kernel[...]
+    exported = model.layers[0].mlp.down_proj.kernel[...]
+    view = torch.from_dlpack(exported)
+    before = view.clone()
+    step(model, optimizer, ids)
+    assert up.is_deleted()                                        # donated: updated in place
+    assert not exported.is_deleted()                              # held by torch: copied, not donated
+    assert torch.equal(view, before)                              # the view still reads the old values
+    new = np.asarray(model.layers[0].mlp.down_proj.kernel[...])
+    assert not np.array_equal(new, before.numpy())                # while the model moved on

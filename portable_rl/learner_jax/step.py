@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -21,9 +22,14 @@ def make_train_step(loss_fn: Callable) -> Callable:
     """`loss_fn(model, batch) -> (loss, metrics dict)`; returns jitted `fn(model, optimizer, batch) -> metrics`.
 
     Create the optimizer with `nnx.Optimizer(model, make_optimizer(...), wrt=nnx.Param)`.
+
+    The model's and optimizer's buffers are donated: XLA writes the new params and moments into
+    them instead of holding old and new copies at once (3-4x params of peak memory saved; on a GPU
+    that decides whether a 7B step fits). A buffer still exported through DLPack (a torch view held
+    by an engine) is not donated: JAX copies instead, so such a view keeps the old values (tested).
     """
 
-    @nnx.jit
+    @functools.partial(nnx.jit, donate_argnums=(0, 1))
     def train_step(model, optimizer: nnx.Optimizer, batch):
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (loss, metrics), grads = grad_fn(model, batch)
