@@ -39,7 +39,9 @@ def fresh(seed=0):
 
 
 def pure(module, what=...):
-    return nnx.to_pure_dict(nnx.state(module, what))
+    """A snapshot (copies): the train step donates the model's and optimizer's buffers, so arrays
+    merely read from them before a step are deleted by it."""
+    return jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(module, what)))
 
 
 def assert_trees_equal(a, b):

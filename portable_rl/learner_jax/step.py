@@ -27,6 +27,8 @@ def make_train_step(loss_fn: Callable) -> Callable:
     them instead of holding old and new copies at once (3-4x params of peak memory saved; on a GPU
     that decides whether a 7B step fits). A buffer still exported through DLPack (a torch view held
     by an engine) is not donated: JAX copies instead, so such a view keeps the old values (tested).
+    A jax.Array read from the model before a step is deleted by it; to keep a snapshot (a reference
+    policy, an EMA), copy it first: `jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))`.
     """
 
     @functools.partial(nnx.jit, donate_argnums=(0, 1))
