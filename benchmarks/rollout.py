@@ -18,10 +18,10 @@ time/generate, time/logprob, time/train, time/sync and time/step over steps, the
 
     python benchmarks/rollout.py [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
                                  [--prompts 16 --max-tokens 32 --reps 2] [--tiny] [--json]
-
-Runtime on the 2-core box is dominated by the fp8 engine (~4 tok/s at 16 layers): about 4 min (estimated) with the defaults
-(8 layers, 125M params), ~9 min with --layers 16 (213M).
     python benchmarks/rollout.py --run-dir runs/dapo_fp8
+
+Runtime on the 2-core box is dominated by the fp8 engine (~4 tok/s at 16 layers): about 4 min
+(estimated) with the defaults (8 layers, 125M params), ~9 min with --layers 16 (213M).
 """
 
 from __future__ import annotations

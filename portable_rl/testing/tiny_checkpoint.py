@@ -80,9 +80,10 @@ def make_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, size
     import torch
     import transformers
 
-    if vocab_size < min_vocab_size(family):
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the {min_vocab_size(family)} tokens a {family} "
-                         f"checkpoint's tokenizer loads with; use vocab_size >= {min_vocab_size(family)}")
+    smallest = min_vocab_size(family)
+    if vocab_size < smallest:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the {smallest} tokens a {family} "
+                         f"checkpoint's tokenizer loads with; use vocab_size >= {smallest}")
     if size not in TINY_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(TINY_SIZES)}")
     dims = {**TINY_SIZES[size], **overrides}
