@@ -13,6 +13,7 @@ from flax import nnx
 
 from portable_rl.convert import load_hf_model
 from portable_rl.learner_jax import model as model_lib
+from portable_rl.learner_jax import attention as attention_lib
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.testing import make_tiny_checkpoint
 
@@ -36,11 +37,11 @@ def test_attention_grads_bf16_match_fp32():
     v = (3.0 + 0.1 * jax.random.normal(keys[2], (b, t, kv, h))).astype(jnp.bfloat16)  # large common part
     d_out = jax.random.normal(keys[3], (b, t, n, h))
     valid = jnp.arange(t)[None] < jnp.array([[t], [t // 3], [0]])                      # [B, T]
-    mask = jnp.tril(jnp.ones((t, t), bool))[None, None] & valid[:, None, None, :]      # [B, 1, T, T]
+    segment_ids = valid.astype(jnp.int32)                                              # [B, T]
 
     def grads(dtype):
         def f(q, k, v):
-            out = model_lib.attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask)
+            out = attention_lib.dense_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), segment_ids)
             return jnp.sum(out.astype(jnp.float32) * d_out * valid[..., None, None])
         return jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.attention import attention
 from portable_rl.learner_jax.dense import dense
 
 
@@ -90,59 +91,6 @@ def apply_rope(x, cos, sin):  # x [B, T, N, H], cos/sin [B, T, H] float32; rotat
     return (x32 * cos[:, :, None, :] + rotate_half(x32) * sin[:, :, None, :]).astype(x.dtype)
 
 
-_MASKED = -1e30  # finite: a row with no visible key gets a uniform softmax, never NaN
-
-
-def _grouped(q, num_kv_heads):  # [B, T, N, H] -> [B, T, K, G, H], G = N // K query heads per kv head
-    B, T, N, H = q.shape
-    return q.reshape(B, T, num_kv_heads, N // num_kv_heads, H)
-
-
-def _attention_probs(q, k, mask):  # -> probs [B, K, G, T, S] float32
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = jnp.einsum("btkgh,bskh->bkgts", _grouped(q, k.shape[2]), k,
-                        preferred_element_type=jnp.float32) * scale          # [B, K, G, T, S] f32
-    scores = jnp.where(mask[:, :, None], scores, _MASKED)                    # mask [B, 1, 1, T, S]
-    return jax.nn.softmax(scores, axis=-1)
-
-
-@jax.custom_vjp
-def attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(H) + mask) v with GQA; q [B, T, N, H], k/v [B, S, K, H], mask [B, 1, T, S].
-
-    Matmul inputs are in q's dtype (bf16 compute) with float32 accumulation; scores, softmax and the
-    softmax backward are float32. Why a custom VJP: with autodiff through a bf16 P·V matmul the
-    probability cotangent dP = dO V^T is rounded to bf16 before dS = P (dP - rowsum(P dP)), and that
-    difference of nearly equal numbers loses most of its bits (q/k gradients off by tens of %).
-    Here dP stays float32, as in flash-attention's backward.
-    """
-    return _attention_fwd(q, k, v, mask)[0]
-
-
-def _attention_fwd(q, k, v, mask):
-    probs = _attention_probs(q, k, mask)                                     # [B, K, G, T, S] f32
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(q.shape).astype(q.dtype), (q, k, v, mask, probs)
-
-
-def _attention_bwd(res, d_out):  # d_out [B, T, N, H]
-    q, k, v, mask, probs = res
-    dt = v.dtype
-    d_out = _grouped(d_out, k.shape[2]).astype(dt)                           # [B, T, K, G, H]
-    d_v = jnp.einsum("bkgts,btkgh->bskh", probs.astype(dt), d_out, preferred_element_type=jnp.float32)
-    d_probs = jnp.einsum("btkgh,bskh->bkgts", d_out, v, preferred_element_type=jnp.float32)  # f32
-    # softmax backward in f32 with f32 probs (rows sum to 1, so the difference below cancels exactly)
-    d_scores = probs * (d_probs - jnp.sum(probs * d_probs, axis=-1, keepdims=True))
-    d_scores = (d_scores * (1.0 / math.sqrt(q.shape[-1]))).astype(dt)      # masked entries: p = 0
-    d_q = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
-    d_k = jnp.einsum("bkgts,btkgh->bskh", d_scores, _grouped(q, k.shape[2]),
-                     preferred_element_type=jnp.float32)
-    return (d_q.reshape(q.shape).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None)
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
-
-
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         c = config
@@ -158,8 +106,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, c.rms_norm_eps, **norm)
         self.qk_norm = c.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.attention_impl = "dense"  # set by Transformer (attention.IMPLS)
 
-    def __call__(self, x, cos, sin, mask):  # x [B, T, D], mask [B, 1, T, T] bool
+    def __call__(self, x, cos, sin, segment_ids):  # x [B, T, D], segment_ids [B, T] int (0 = padding)
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
@@ -167,7 +116,7 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, mask)                                     # [B, T, N, H]
+        out = attention(q, k, v, segment_ids, impl=self.attention_impl)   # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -191,13 +140,13 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         self.mlp = MLP(config, **dtypes, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask):  # x [B, T, D] float32 residual stream
-        x = x + self.attn(self.input_norm(x), cos, sin, mask).astype(jnp.float32)
+    def __call__(self, x, cos, sin, segment_ids):  # x [B, T, D] float32 residual stream
+        x = x + self.attn(self.input_norm(x), cos, sin, segment_ids).astype(jnp.float32)
         return x + self.mlp(self.post_attn_norm(x)).astype(jnp.float32)
 
 
-def _apply_layer(layer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)
+def _apply_layer(layer, x, cos, sin, segment_ids):
+    return layer(x, cos, sin, segment_ids)
 
 
 # Recomputes a layer's activations in the backward pass instead of storing them.
@@ -233,24 +182,28 @@ class Transformer(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, attention_mask))
 
-    def hidden_states(self, input_ids, attention_mask=None):
-        """[B, T] ids -> [B, T, D] final-norm outputs in the compute dtype (the head's input)."""
+    def hidden_states(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None):
+        """[B, T] ids -> [B, T, D] final-norm outputs in the compute dtype (the head's input).
+
+        Either `attention_mask` [B, T] 0/1 (one sequence per row, any padding side) or, for packed
+        rows, `segment_ids` [B, T] int (1, 2, ... per sequence, 0 = padding) with `positions` [B, T]
+        (restarting at 0 for each sequence). Without positions they are cumsum(valid) - 1.
+        """
         B, T = input_ids.shape
-        if attention_mask is None:
-            attention_mask = jnp.ones((B, T), jnp.int32)
-        valid = attention_mask.astype(bool)                                    # [B, T]
-        positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)             # [B, T]
+        if segment_ids is None:
+            segment_ids = (jnp.ones((B, T), jnp.int32) if attention_mask is None
+                           else attention_mask.astype(jnp.int32))
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(segment_ids > 0, axis=-1) - 1, 0)  # [B, T]
         freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B, T, H/2]
         angles = jnp.concatenate([freqs, freqs], axis=-1)                      # [B, T, H]
         cos, sin = jnp.cos(angles), jnp.sin(angles)                            # [B, T, H] float32
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        mask = causal[None, None] & valid[:, None, None, :]                    # [B, 1, T, T]
 
         # Residual stream in float32: bf16 only at matmul inputs (norm outputs) and outputs.
         x = self.embed(input_ids).astype(jnp.float32)                          # [B, T, D] f32
         apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
-            x = apply(layer, x, cos, sin, mask)
+            x = apply(layer, x, cos, sin, segment_ids)
         return self.final_norm(x)
 
     def logits(self, x):
