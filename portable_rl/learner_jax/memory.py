@@ -1,0 +1,44 @@
+"""The learner's memory strategy, chosen in one place (set from gin through `train`'s arguments).
+
+Activation memory of one update, per device, for a micro-batch of M tokens, L layers, hidden D, vocab V:
+
+    attention   blockwise / cudnn / splash: O(M · D) per layer     dense: O(B · N · T²) per layer
+    layers      remat='none': every layer's activations kept        'full': one layer's + L residuals
+    head        logprob_chunk_tokens=C: one [C, V] f32 chunk        None: the whole [M, V] f32 logits
+    batch       max_tokens_per_micro_batch=M: gradients accumulated over micro-batches of <= M tokens
+                per batch shard (a sequence is never split), one optimizer update per mini-batch
+    rows        pack_sequences=True: sequences packed first-fit decreasing into rows (segment ids),
+                no power-of-two padding
+
+so memory grows linearly in tokens once attention is not dense. Every setting computes the same
+update (tests/test_memory_equivalence.py); they trade memory for time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+ATTENTION_IMPLS = ("auto", "blockwise", "dense", "cudnn", "splash")
+# 'none' | 'full' | a jax.checkpoint_policies name that saves matmul outputs ("dots saveable")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    attention_impl: str = "auto"                    # 'auto': cudnn on GPU, splash on TPU, else blockwise
+    pack_sequences: bool = True
+    max_tokens_per_micro_batch: Optional[int] = None  # per batch shard; None: one call per mini-batch
+    logprob_chunk_tokens: Optional[int] = None      # None: the head sees all tokens at once
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; use one of {REMAT_POLICIES}")
+        for name in ("max_tokens_per_micro_batch", "logprob_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive int, or None")
