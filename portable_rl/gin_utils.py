@@ -95,6 +95,9 @@ def register_library() -> None:
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
     register_configurable(sharding.MeshConfig, module="sharding")
     register_configurable(warmstart.warmstart, name="warmstart")
+    from portable_rl.convert import gguf
+
+    register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
     _REGISTERED = True
 
 
