@@ -83,7 +83,7 @@ def register_library() -> None:
     from portable_rl import tis
     from portable_rl.rl import dapo
 
-    for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask):
+    for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask):
         register_configurable(cls, module="tasks")
     register_configurable(registry.create_engine, name="create_engine", module="engines")
     register_configurable(tis.RolloutCorrectionConfig, module="tis")
