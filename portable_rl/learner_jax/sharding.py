@@ -251,6 +251,25 @@ def shard_batch(batch: Mapping, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> dict:
     return out
 
 
+def constrain_batch_rows(x, rules=LOGICAL_AXIS_RULES):
+    """`x` [B, ...] (inside jit) pinned to rows split over the "batch" mesh axes, when a mesh is set
+    with `jax.set_mesh(mesh)` around the jitted call; unchanged without one (or when B does not divide).
+
+    Why (the model calls it on the residual stream at every layer boundary): propagation alone
+    sometimes resolves a dot of row-split activations with fsdp-split weights by gathering the
+    activations' rows instead of the weight, so every device computes every device's tokens
+    (measured, Qwen3-8B widths, 2 layers, 1024 tokens per device, fsdp=8: the [8184, V] logits of all
+    devices on each one; 13.4 GB of temporaries instead of 7.2 GB; benchmarks/learner_memory.py).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in _mesh_axes(rules, "batch") if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+
+
 def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:
     """`x` with all-zero rows appended up to a multiple of `multiple` rows."""
     extra = -x.shape[0] % multiple
