@@ -30,11 +30,17 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
           master_dtype: Optional[str] = "float32",
           compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, async_rollouts: bool = False,
-          mesh=None, progress: bool = True) -> list[dict]:
+          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
+          max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
+          remat: str = "none", progress: bool = True) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
     hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
+    Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
+    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
+    (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
+    `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
     """
     import jax
     import jax.numpy as jnp
@@ -43,6 +49,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
 
     from portable_rl import tis
     from portable_rl.convert.hf import load_hf_model
+    from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.learner_jax.checkpoint import Checkpointer
     from portable_rl.learner_jax.sharding import make_mesh
@@ -60,6 +67,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.tasks import data_metrics, get_reward
 
     cfg = algorithm or DapoConfig()
+    memory = MemoryConfig(attention_impl=attention_impl, pack_sequences=pack_sequences,
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                          logprob_chunk_tokens=logprob_chunk_tokens, remat=remat)
     correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +90,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         tx = with_master_weights(tx, jnp.dtype(master_dtype))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # Before the restore below, so a checkpoint lands directly in the sharded layout.
-    learner = Learner(model, optimizer, cfg, correction, mesh=make_mesh(mesh) if mesh is not None else None)
+    learner = Learner(model, optimizer, cfg, correction, mesh=make_mesh(mesh) if mesh is not None else None,
+                      memory=memory)
 
     ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
     start_step = 0
@@ -136,9 +147,10 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 if groups:
                     batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
                     m.update(batch_stats)
-                    m.update(learner.correct(batch))
+                    prepared = learner.correct(batch)   # old logprobs, rollout correction, micro-batches
+                    m.update(prepared.metrics)
                     t2 = time.perf_counter()
-                    m.update(learner.update(batch))
+                    m.update(learner.update(prepared))
                 else:  # every group had equal rewards in every draw: nothing to learn from this step
                     t2 = time.perf_counter()
                 t3 = time.perf_counter()

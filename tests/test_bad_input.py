@@ -328,12 +328,13 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     model, _ = load_hf_model(path, compute_dtype=jnp.float32)
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param), cfg,
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0))
-    got, want = learner.correct(batch), learner.correct(expected)
+    prepared, reference = learner.correct(batch), learner.correct(expected)
+    got, want = prepared.metrics, reference.metrics
     assert got.keys() == want.keys() and all(np.isfinite(v) for v in got.values())
     for k in got:
         assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-7), k
-    assert np.isfinite(batch["tis_weights"]).all() and np.isfinite(batch["old_logprobs"]).all()
-    metrics = learner.update(batch)
+    assert np.isfinite(prepared.tis_weights).all() and np.isfinite(prepared.old_logprobs).all()
+    metrics = learner.update(prepared)
     assert metrics and all(np.isfinite(v) for v in metrics.values())
     assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 

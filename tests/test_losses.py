@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from portable_rl.learner_jax.losses import aggregate_loss, policy_loss
+from portable_rl.learner_jax.losses import AGGREGATIONS, aggregate_loss, loss_token_weights, policy_loss
 from portable_rl.tis import RolloutCorrectionConfig, apply_rollout_correction
 
 # Two sequences of 3 positions; row 1's last position is padding. Ratios r = π_new / π_old by hand.
@@ -64,6 +64,29 @@ def test_aggregations_by_hand():
     assert float(aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=10)) == pytest.approx(11 / 30)
     with pytest.raises(ValueError, match="aggregation"):
         aggregate_loss(loss, mask, "token-sum")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_token_weights_reproduce_every_aggregation(aggregation):
+    """Σ w·l with w = loss_token_weights(mask) equals aggregate_loss, per row or over packed sequence ids."""
+    rng = np.random.default_rng(0)
+    loss = rng.standard_normal((5, 7)).astype(np.float32)
+    mask = (rng.random((5, 7)) < 0.6).astype(np.float32)
+    mask[3] = 0                                                       # a sequence with no tokens left
+    want = float(aggregate_loss(loss, mask, aggregation, norm_constant=9))
+    w = loss_token_weights(mask, aggregation, norm_constant=9)
+    assert (w[mask == 0] == 0).all() and float((w * loss).sum()) == pytest.approx(want, rel=1e-6)
+    # the same 5 sequences packed into 2 rows of 21 (sequence ids per token): same weights per token
+    packed_ids = np.full((2, 21), -1)
+    packed_mask, packed_loss = np.zeros((2, 21), np.float32), np.zeros((2, 21), np.float32)
+    for i, (r, s) in enumerate([(0, 0), (0, 7), (1, 0), (1, 7), (0, 14)]):
+        packed_ids[r, s:s + 7], packed_mask[r, s:s + 7], packed_loss[r, s:s + 7] = i, mask[i], loss[i]
+    pw = loss_token_weights(packed_mask, aggregation, norm_constant=9, sequence_ids=packed_ids, num_sequences=5)
+    assert float((pw * packed_loss).sum()) == pytest.approx(want, rel=1e-6)
+    # policy_loss with those weights returns Σ w·l instead of aggregating
+    got, _ = policy_loss(NEW, OLD, ADV, MASK, token_weights=loss_token_weights(MASK, aggregation, norm_constant=9))
+    ref, _ = policy_loss(NEW, OLD, ADV, MASK, aggregation=aggregation, norm_constant=9)
+    assert float(got) == pytest.approx(float(ref), rel=1e-6)
 
 
 def test_correction_weights_multiply_the_clipped_loss_decoupled():

@@ -86,6 +86,7 @@ SCRIPT = textwrap.dedent(r'''
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
     from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.rl.batching import pack_rollouts
     from portable_rl.rl.learner import Learner
 
     assert len(jax.devices()) == 8, jax.devices()
@@ -95,17 +96,16 @@ SCRIPT = textwrap.dedent(r'''
     ALG = DapoConfig(prompt_batch_size=2, mini_batch_size=2, n_samples=4)      # one update of 8 rows
     CORR = tis.RolloutCorrectionConfig(mode="token", clip=2.0)
 
-    def make_batch():
+    def make_batch():  # 8 sequences of 8-16 tokens (4 prompt tokens), one per row: [8, 16]
         rng = np.random.default_rng(0)
-        B, T = 8, 16
+        B, T, prompt = 8, 16, 4
         lengths = rng.integers(8, T + 1, B)
-        prompt = 4
-        am = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
-        rm = (am * (np.arange(T)[None] >= prompt)).astype(np.float32)
-        return dict(input_ids=rng.integers(0, 125, (B, T)).astype(np.int32) * am, attention_mask=am,
-                    response_mask=rm,
-                    rollout_logprobs=(-2.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32) * rm,
-                    advantages=(rng.standard_normal((B, 1)) * rm).astype(np.float32))
+        ids = rng.integers(0, 125, (B, T))
+        logp = (-2.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
+        return pack_rollouts([ids[i, :prompt].tolist() for i in range(B)],
+                             [ids[i, prompt:lengths[i]].tolist() for i in range(B)],
+                             [logp[i, prompt:lengths[i]].tolist() for i in range(B)], rng.standard_normal(B),
+                             min_len=T)
 
     def export(model, dtype):
         return {n: t.float().numpy().copy() for n, t in iter_hf_tensors(model, CFG, dtype=dtype)}
@@ -131,9 +131,10 @@ SCRIPT = textwrap.dedent(r'''
         batch = make_batch()
         if mesh:  # 5 rows: padded to a multiple of the batch shards inside Learner.logprobs
             out["probe_logprobs"] = learner.logprobs(batch["input_ids"][:5], batch["attention_mask"][:5])
-        out["tis"] = learner.correct(batch)
-        out["old_logprobs"] = batch["old_logprobs"]
-        out["metrics"] = learner.update(batch)
+        prepared = learner.correct(batch)
+        out["tis"] = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
+        out["old_logprobs"] = prepared.old_logprobs
+        out["metrics"] = learner.update(prepared)
         out["same_sharding_after"] = model.layers[0].mlp.gate_proj.kernel[...].sharding.is_equivalent_to(before, 2)
         out["params_after"] = {"/".join(map(str, p)): np.asarray(v[...])
                                for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}

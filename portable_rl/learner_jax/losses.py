@@ -24,12 +24,25 @@ Aggregation of l_t over the response mask m (B sequences, T positions):
 
 Rejected tokens (a `keep_mask` from the correction) belong in `response_mask`: pass
 `response_mask * keep_mask` so they also leave the denominators.
+
+Every aggregation is a weighted token sum, loss = Σ_t w_t l_t, with weights fixed by the mask alone
+(`loss_token_weights`, host numpy, N sequences of len_s tokens, N_tok tokens in all):
+
+    token-mean               w = 1 / N_tok
+    seq-mean-token-sum       w = 1 / N_seq                N_seq = sequences with ≥ 1 token
+    seq-mean-token-mean      w = 1 / (N_seq · len_s)
+    seq-mean-token-sum-norm  w = 1 / (N · L)              N = all sequences (a constant), L = norm_constant
+
+So a mini-batch split into micro-batches gets the exact mini-batch loss and gradient by summing the
+micro-batches' Σ w l with weights computed once from the whole mini-batch (`policy_loss(...,
+token_weights=w)`, rl/learner.py); `aggregate_loss` is the reference they equal (tests/test_losses.py).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from portable_rl.tis.ratios import SAFETY_BOUND as _LOG_RATIO_BOUND
 from portable_rl.tis.ratios import masked_max, masked_mean as _masked_mean
@@ -56,6 +69,35 @@ def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm
     raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
 
 
+def loss_token_weights(response_mask, aggregation: str = "token-mean", norm_constant=None, *,
+                       sequence_ids=None, num_sequences=None) -> np.ndarray:
+    """Weights w `[B, T]` float32 (0 off the mask) with Σ w·l = `aggregate_loss(l, response_mask, ...)` (numpy).
+
+    `sequence_ids` `[B, T]` int (which sequence each token belongs to, e.g. a packed layout's global
+    ids; < 0 = none): None means each row is one sequence. `num_sequences` is N of
+    seq-mean-token-sum-norm (default: the number of rows, as `aggregate_loss`); `norm_constant` its L
+    (default T).
+    """
+    mask = np.asarray(response_mask) > 0                                   # [B, T]
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+    if sequence_ids is None:
+        sequence_ids = np.broadcast_to(np.arange(mask.shape[0])[:, None], mask.shape)
+    ids = np.where(mask, np.asarray(sequence_ids), -1)                     # [B, T]
+    tokens_per_seq = np.bincount(ids[mask], minlength=ids.max(initial=-1) + 1)  # [S]
+    n_tok, n_seq = tokens_per_seq.sum(), np.count_nonzero(tokens_per_seq)
+    if aggregation == "token-mean":
+        w = np.full(mask.shape, 1.0 / max(n_tok, 1))
+    elif aggregation == "seq-mean-token-sum":
+        w = np.full(mask.shape, 1.0 / max(n_seq, 1))
+    elif aggregation == "seq-mean-token-mean":
+        w = 1.0 / (max(n_seq, 1) * np.maximum(tokens_per_seq, 1)[np.maximum(ids, 0)])
+    else:
+        n = mask.shape[0] if num_sequences is None else num_sequences
+        w = np.full(mask.shape, 1.0 / (n * (mask.shape[-1] if norm_constant is None else norm_constant)))
+    return np.where(mask, w, 0.0).astype(np.float32)
+
+
 def _token_advantages(advantages, shape):
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 1 and adv.shape[0] == shape[0]:
@@ -68,12 +110,14 @@ def _token_advantages(advantages, shape):
 def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollout_logprobs=None,
                 correction_weights=None, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
                 dual_clip_c=None, aggregation: str = "token-mean", norm_constant=None,
-                mode: str = "decoupled"):
+                mode: str = "decoupled", token_weights=None):
     """PPO-clip surrogate → (scalar loss, metrics dict of scalars).
 
     Shapes: logprobs and `response_mask` `[B, T]`; `advantages` `[B]` (one per sequence, broadcast
     to its tokens) or `[B, T]`; `correction_weights` `[B, T]` or None. `old_logprobs` is ignored in
     bypass mode (may be None). Gradients flow only through `new_logprobs`.
+    `token_weights` `[B, T]` (`loss_token_weights` of a whole mini-batch): loss = Σ w·l, replacing
+    `aggregation` (a micro-batch's share of the mini-batch loss); None: `aggregate_loss`.
 
     Metrics: clip_frac (tokens where the clipped branch is taken), clip_frac_low / clip_frac_high
     (r below 1−ε_low with A < 0 / above 1+ε_high with A > 0), dual_clip_frac, approx_kl
@@ -121,7 +165,13 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollou
             raise ValueError(f"correction_weights must be [batch, seq] = {loss_bt.shape}, got {weight.shape}")
         weight = jnp.where(mask, weight, 0.0)
         loss_bt = loss_bt * weight
-    loss = aggregate_loss(loss_bt, mask, aggregation, norm_constant)
+    if token_weights is None:
+        loss = aggregate_loss(loss_bt, mask, aggregation, norm_constant)
+    else:
+        token_weights = jnp.asarray(token_weights, jnp.float32)
+        if token_weights.shape != loss_bt.shape:
+            raise ValueError(f"token_weights must be [batch, seq] = {loss_bt.shape}, got {token_weights.shape}")
+        loss = jnp.where(mask, token_weights * loss_bt, 0.0).sum()
 
     f32 = jnp.float32
     metrics = {

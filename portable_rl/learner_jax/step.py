@@ -3,6 +3,13 @@
     (loss, metrics), grads = value_and_grad(loss_fn)(model, batch)     grads w.r.t. nnx.Param
     optimizer.update(model, grads)                                     clip + AdamW (optim.py)
     metrics += {loss, grad_norm (before clipping), learning_rate (used by this update)}
+
+`make_train_step` does it in one call. With gradient accumulation over micro-batches j (a loss that
+is a sum of per-micro-batch terms, e.g. `losses.policy_loss(..., token_weights=)`):
+
+    G = zero_grads(model)                        f32, laid out (sharded) like the params
+    G, metrics_j = grad_step(model, batch_j, G)  G += ∇ loss_j   (G's buffers donated: updated in place)
+    apply_step(model, optimizer, G)              one optimizer update with Σ_j ∇ loss_j; grad_norm of it
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from portable_rl.learner_jax.optim import current_learning_rate
+from portable_rl.learner_jax.optim import MasterWeightsState, current_learning_rate
 
 
 def make_train_step(loss_fn: Callable) -> Callable:
@@ -45,3 +52,46 @@ def make_train_step(loss_fn: Callable) -> Callable:
         return metrics
 
     return train_step
+
+
+def zero_grads(model, dtype=jnp.float32):
+    """A gradient accumulator: zeros shaped (and sharded) like the model's `nnx.Param`s, in `dtype`
+    (f32: bf16 params would otherwise sum micro-batch gradients in bf16)."""
+    params = nnx.state(model, nnx.Param)
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, dtype, device=p.sharding), params)
+
+
+def make_grad_step(loss_fn: Callable) -> Callable:
+    """jitted `fn(model, batch, grad_sum) -> (grad_sum + ∇loss, metrics)`; `grad_sum` (from `zero_grads`)
+    is donated, so accumulating costs no second gradient-sized buffer. The model is only read."""
+
+    @functools.partial(nnx.jit, donate_argnums=(2,))
+    def grad_step(model, batch, grad_sum):
+        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
+        (loss, metrics), grads = grad_fn(model, batch)
+        grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grad_sum, grads)
+        return grad_sum, dict(metrics, loss=loss)
+
+    return grad_step
+
+
+def make_apply_step() -> Callable:
+    """jitted `fn(model, optimizer, grads) -> {grad_norm, learning_rate}`: one optimizer update with the
+    accumulated `grads` (donated, with the model's and optimizer's buffers as in `make_train_step`)."""
+
+    @functools.partial(nnx.jit, donate_argnums=(0, 1, 2))
+    def apply_step(model, optimizer: nnx.Optimizer, grads):
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        if not isinstance(optimizer.opt_state, MasterWeightsState):
+            # what a one-call step hands the optimizer: grads in the params' dtype (optax keeps moment
+            # dtypes); the master-weights wrapper takes the f32 sum as it is.
+            params = nnx.state(model, nnx.Param)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        optimizer.update(model, grads)
+        metrics = {"grad_norm": grad_norm}
+        lr = current_learning_rate(optimizer.opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        return metrics
+
+    return apply_step

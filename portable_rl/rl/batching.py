@@ -1,26 +1,51 @@
-"""Pack prompt + response token ids into right-padded `[B, T]` arrays.
+"""Token ids of (prompt, response) pairs → the `[R, L]` arrays the learner sees: one sequence per row, or packed.
 
-Row i holds `prompt_i + response_i` followed by padding. Position t carries the logprob of token t
-(given tokens < t), the same convention as `learner_jax.logprobs.sequence_logprobs`, so:
+Sequence i (prompt_i + response_i, len_i tokens) sits in row r_i from column s_i on. Position t of a
+sequence carries the logprob of its token t (given tokens < t), the convention of
+`learner_jax.logprobs.sequence_logprobs`:
 
-    input_ids[i, t]        = (prompt_i + response_i)[t]             for t < len_i, pad after
-    attention_mask[i, t]   = 1                                      for t < len_i
-    response_mask[i, t]    = 1                                      for p_i <= t < len_i with a finite logprob
-    rollout_logprobs[i, t] = engine logprob of input_ids[i, t]      where response_mask is 1, else 0
-    advantages[i, t]       = A_i * response_mask[i, t]
+    input_ids[r_i, s_i + t]        = (prompt_i + response_i)[t]                         t < len_i
+    segment_ids[r_i, s_i + t]      = k_i  (1, 2, ... in the order placed in the row)    0 = padding
+    positions[r_i, s_i + t]        = t    (restarts at 0 for every sequence)
+    attention_mask                 = segment_ids > 0
+    response_mask[r_i, s_i + t]    = 1  for p_i <= t < len_i with a finite engine logprob, and t > 0
+    rollout_logprobs[r_i, s_i + t] = engine logprob of that token where response_mask is 1, else 0
+    advantages[r_i, s_i + t]       = A_i · response_mask
+
+plus the per-sequence index `seq_row`, `seq_start`, `seq_len`, `prompt_len` ([N] int32 numpy), from
+which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`).
+
+Two layouts:
+    one per row (pack=False)   row i = sequence i from column 0; L = next power of two >= max len_i
+                               (at least `min_len`); rows padded with empty rows to a multiple of
+                               `row_multiple`. This is also the learner's per-sequence view.
+    packed (pack=True)         sequences placed first-fit decreasing (longest first, each into the
+                               first row with room) into rows of `row_tokens` tokens; a sequence is
+                               never split. No power-of-two padding.
 
 A response token whose engine logprob is NaN or ±inf is dropped from the loss (mask 0, logprob 0), so
-nothing non-finite reaches JAX; `rl.rollout.collect_groups` counts them (`rollout/nonfinite_*`).
-
-T is rounded up to a bucket (next power of two, at least `min_len`) so jit sees few shapes;
-B is padded with all-zero rows up to a multiple of `row_multiple` (fixed mini-batch shapes).
+nothing non-finite reaches JAX; `rl.rollout.collect_groups` counts them (`rollout/nonfinite_*`). The
+first token of a sequence has no context (and in a packed row its logprob would be predicted from the
+previous sequence), so it is never a response token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
+
+ROW_KEYS = ("input_ids", "segment_ids", "positions", "attention_mask", "response_mask", "rollout_logprobs",
+            "advantages")
+SEQ_KEYS = ("seq_row", "seq_start", "seq_len", "prompt_len")
+_ROW_DTYPES = dict(input_ids=np.int32, segment_ids=np.int32, positions=np.int32, attention_mask=np.int32,
+                   response_mask=np.float32, rollout_logprobs=np.float32, advantages=np.float32)
+
+
+class MicroBatchBudgetError(ValueError):
+    """A sequence is longer than the micro-batch token budget (sequences are never split)."""
 
 
 def bucket_length(length: int, min_len: int = 16) -> int:
@@ -29,41 +54,205 @@ def bucket_length(length: int, min_len: int = 16) -> int:
     return 1 << (t - 1).bit_length()
 
 
-def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                  response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
-                  pad_id: int = 0, min_len: int = 16, row_multiple: int = 1) -> dict[str, np.ndarray]:
-    """Returns the arrays above plus `num_rows` (real rows before padding) as a python int."""
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def packed_row_length(longest: int, min_len: int = 16) -> int:
+    """Row length for packing without a token budget: the longest sequence rounded up to a multiple of
+    64 (a power of two below 64, so short-sequence runs are not padded to 64)."""
+    return bucket_length(longest, min_len) if longest <= 64 else round_up(longest, 64)
+
+
+def round_rows(n: int, multiple: int = 1) -> int:
+    """Row count for jit: a multiple of `multiple`, and (in units of `multiple`) the next value of the form
+    c·2^k with c in 4..7, so a run sees at most 4 row counts per doubling (at most 25% empty rows)."""
+    units = max(-(-n // multiple), 1)
+    if units > 8:
+        step = 1 << (units.bit_length() - 3)  # 4 steps per octave: 8→10→12→14→16→20→...
+        units = round_up(units, step)
+    return units * multiple
+
+
+def first_fit_decreasing(lengths, capacity: int):
+    """Bins of `capacity` tokens: longest first, each into the first bin with room.
+
+    → (bin [N] int32, start [N] int32 (offset inside the bin), slot [N] int32 (1.. order in the bin), bins).
+    Ties keep the input order, so the result is deterministic.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and lengths.max() > capacity:
+        raise MicroBatchBudgetError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {capacity}")
+    n = len(lengths)
+    bin_of, start, slot = (np.zeros(n, np.int32) for _ in range(3))
+    free = np.zeros(0, np.int64)        # room left in each open bin
+    count = np.zeros(0, np.int32)       # sequences in each open bin
+    for i in np.argsort(-lengths, kind="stable"):
+        fits = np.flatnonzero(free >= lengths[i])
+        if fits.size:
+            b = fits[0]
+        else:
+            b = len(free)
+            free, count = np.append(free, capacity), np.append(count, 0)
+        bin_of[i], start[i] = b, capacity - free[b]
+        count[b] += 1
+        slot[i] = count[b]
+        free[b] -= lengths[i]
+    return bin_of, start, slot, len(free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the sequences `seq` (rows of a per-sequence view, each starting at column 0) sit in `[rows, length]`.
+
+    seq, row, start, length, segment: [n] int arrays (segment = 1.. order in its row).
+    """
+    seq: np.ndarray
+    row: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    segment: np.ndarray
+    rows: int
+    row_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.row_tokens
+
+    @functools.cached_property
+    def _flat(self):
+        """Per token: (view row, view column, packed row, packed column)."""
+        total = int(self.length.sum())
+        offset = np.arange(total) - np.repeat(np.cumsum(self.length) - self.length, self.length)
+        return (np.repeat(self.seq, self.length), offset, np.repeat(self.row, self.length),
+                np.repeat(self.start, self.length) + offset)
+
+    def to_rows(self, view: np.ndarray, fill=0) -> np.ndarray:
+        """[N, T] per-sequence values → [rows, row_tokens] (padding = `fill`)."""
+        vr, vc, pr, pc = self._flat
+        out = np.full(self.shape, fill, view.dtype)
+        out[pr, pc] = view[vr, vc]
+        return out
+
+    def to_view(self, packed: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Writes the [rows, row_tokens] values of these sequences into the per-sequence view `out` [N, T]."""
+        vr, vc, pr, pc = self._flat
+        out[vr, vc] = packed[pr, pc]
+        return out
+
+    def arrays(self, view: dict) -> dict[str, np.ndarray]:
+        """The `ROW_KEYS` arrays (and any other [N, T] view arrays given) in this layout."""
+        out = {k: self.to_rows(v) for k, v in view.items() if k not in ("segment_ids", "positions", "attention_mask")}
+        vr, vc, pr, pc = self._flat
+        out["segment_ids"] = np.zeros(self.shape, np.int32)
+        out["segment_ids"][pr, pc] = np.repeat(self.segment, self.length)
+        out["positions"] = np.zeros(self.shape, np.int32)
+        out["positions"][pr, pc] = vc
+        out["attention_mask"] = (out["segment_ids"] > 0).astype(np.int32)
+        return out
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.rows * self.row_tokens - int(self.length.sum())
+
+
+def one_per_row(seq, lengths, rows: int, row_tokens: int, row=None) -> Layout:
+    """Sequence j of `seq` in row `row[j]` (default j) from column 0; the other rows are empty."""
+    seq, lengths = np.asarray(seq), np.asarray(lengths)
+    n = len(seq)
+    row = np.arange(n) if row is None else np.asarray(row)
+    if n and (row.max() >= rows or lengths.max() > row_tokens):
+        raise ValueError(f"{n} sequences of up to {lengths.max()} tokens do not fit {rows} rows of {row_tokens}")
+    return Layout(seq=seq, row=row, start=np.zeros(n, np.int64), length=lengths,
+                  segment=np.ones(n, np.int32), rows=rows, row_tokens=row_tokens)
+
+
+def packed(seq, lengths, row_tokens: int, row_multiple: int = 1, rows: int | None = None) -> Layout:
+    """First-fit decreasing into rows of `row_tokens`; rows = `round_rows(bins, row_multiple)` unless given."""
+    seq, lengths = np.asarray(seq), np.asarray(lengths)
+    row, start, slot, bins = first_fit_decreasing(lengths, row_tokens)
+    rows = round_rows(bins, row_multiple) if rows is None else rows
+    if rows < bins:
+        raise ValueError(f"{bins} packed rows do not fit {rows}")
+    return Layout(seq=seq, row=row, start=start, length=lengths, segment=slot, rows=rows, row_tokens=row_tokens)
+
+
+def split_rows_of(layout: Layout, rows_per_part: int) -> list[Layout]:
+    """`layout` cut into parts of `rows_per_part` consecutive rows each (the last padded with empty rows)."""
+    parts = []
+    for first in range(0, max(int(layout.row.max(initial=-1)) + 1, 1), rows_per_part):
+        pick = (layout.row >= first) & (layout.row < first + rows_per_part)
+        parts.append(dataclasses.replace(layout, seq=layout.seq[pick], row=layout.row[pick] - first,
+                                         start=layout.start[pick], length=layout.length[pick],
+                                         segment=layout.segment[pick], rows=rows_per_part))
+    return parts
+
+
+def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id, min_len, row_multiple):
+    """The one-per-row arrays ([B, T], T a power of two) and the [N] lengths / prompt lengths."""
     n = len(prompt_ids)
     if not (n == len(response_ids) == len(response_logprobs) == len(advantages)):
         raise ValueError("prompt_ids, response_ids, response_logprobs and advantages must have the same length")
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
-    t = bucket_length(max(lengths, default=1), min_len)
-    b = max(-(-n // row_multiple) * row_multiple, row_multiple)
-    input_ids = np.full((b, t), pad_id, np.int32)                       # [B, T]
-    attention_mask = np.zeros((b, t), np.int32)                          # [B, T]
-    response_mask = np.zeros((b, t), np.float32)                         # [B, T]
-    rollout_logprobs = np.zeros((b, t), np.float32)                      # [B, T]
-    adv = np.zeros((b, t), np.float32)                                   # [B, T]
+    lengths = np.array([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)], np.int32)   # [N]
+    t = bucket_length(int(lengths.max(initial=1)), min_len)
+    b = max(round_up(n, row_multiple), row_multiple)
+    view = {k: np.zeros((b, t), _ROW_DTYPES[k]) for k in ("input_ids", "response_mask", "rollout_logprobs",
+                                                           "advantages")}
+    view["input_ids"][:] = pad_id
     for i, (p, r, lp, a) in enumerate(zip(prompt_ids, response_ids, response_logprobs, advantages)):
         if len(lp) != len(r):
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} logprobs")
-        lp_, ln = len(p), len(p) + len(r)
+        p_len, ln = len(p), len(p) + len(r)
         logp = np.asarray(lp, np.float32)                                # [len(r)]
         finite = np.isfinite(logp)                                       # [len(r)]
-        input_ids[i, :lp_] = p
-        input_ids[i, lp_:ln] = r
-        attention_mask[i, :ln] = 1
-        response_mask[i, lp_:ln] = finite
-        rollout_logprobs[i, lp_:ln] = np.where(finite, logp, 0.0)
-        adv[i, lp_:ln] = np.where(finite, a, 0.0)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                rollout_logprobs=rollout_logprobs, advantages=adv, num_rows=n)
+        finite[:1] &= p_len > 0                                          # no context for a sequence's first token
+        view["input_ids"][i, :p_len] = p
+        view["input_ids"][i, p_len:ln] = r
+        view["response_mask"][i, p_len:ln] = finite
+        view["rollout_logprobs"][i, p_len:ln] = np.where(finite, logp, 0.0)
+        view["advantages"][i, p_len:ln] = np.where(finite, a, 0.0)
+    prompt_len = np.array([len(p) for p in prompt_ids], np.int32)
+    return view, lengths, prompt_len
 
 
-def split_rows(arrays: dict[str, np.ndarray], rows_per_split: int):
-    """Yields dicts of array slices, `rows_per_split` rows each (B must be a multiple of it)."""
-    b = next(v.shape[0] for v in arrays.values() if isinstance(v, np.ndarray))
+def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                  response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
+                  pad_id: int = 0, min_len: int = 16, row_multiple: int = 1, pack: bool = False,
+                  row_tokens: int | None = None) -> dict:
+    """Returns the `ROW_KEYS` arrays, the `SEQ_KEYS` index, `num_rows` (rows holding a sequence) and
+    `num_sequences` (python ints).
+
+    pack=False: one sequence per row (module doc). pack=True: rows of `row_tokens` (default
+    `packed_row_length` of the longest sequence), their count rounded by `round_rows(., row_multiple)`.
+    """
+    view, lengths, prompt_len = _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id,
+                                               min_len, 1 if pack else row_multiple)
+    n = len(lengths)
+    seq = np.arange(n)
+    if pack:
+        layout = packed(seq, lengths, row_tokens or packed_row_length(int(lengths.max(initial=1)), min_len),
+                        row_multiple)
+    else:
+        layout = one_per_row(seq, lengths, *view["input_ids"].shape)
+    out = layout.arrays(view)
+    out["input_ids"][out["segment_ids"] == 0] = pad_id
+    out.update(seq_row=layout.row.astype(np.int32), seq_start=layout.start.astype(np.int32),
+               seq_len=lengths, prompt_len=prompt_len,
+               num_rows=int(len(np.unique(layout.row))), num_sequences=n)
+    return out
+
+
+def padding_fraction(batch: dict) -> float:
+    """Padding tokens / all tokens of the [R, L] arrays."""
+    mask = batch["attention_mask"]
+    return 1.0 - float(mask.sum()) / max(mask.size, 1)
+
+
+def split_rows(arrays: dict, rows_per_split: int):
+    """Yields dicts of the row arrays (`[B, ...]`, not the per-sequence index), `rows_per_split` rows each."""
+    b = arrays["input_ids"].shape[0]
     if b % rows_per_split:
         raise ValueError(f"batch of {b} rows is not a multiple of rows_per_split={rows_per_split}")
+    rows = {k: v for k, v in arrays.items() if isinstance(v, np.ndarray) and k not in SEQ_KEYS and v.shape[:1] == (b,)}
     for s in range(0, b, rows_per_split):
-        yield {k: v[s:s + rows_per_split] for k, v in arrays.items() if isinstance(v, np.ndarray)}
+        yield {k: v[s:s + rows_per_split] for k, v in rows.items()}

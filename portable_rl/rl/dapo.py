@@ -42,6 +42,7 @@ class DapoConfig:
     clip_eps_high: float = 0.28
     dual_clip_c: Optional[float] = None
     loss_aggregation: str = "token-mean"
+    loss_norm_constant: Optional[int] = None  # L of seq-mean-token-sum-norm; None: max_response_tokens
     policy_loss_mode: str = "decoupled"   # "decoupled": old logprobs recomputed | "bypass": old := rollout
     min_seq_bucket: int = 16
     max_nonfinite_fraction: float = 0.01  # NaN/inf engine logprobs are masked; above this fraction the run stops
@@ -63,6 +64,11 @@ class DapoConfig:
     def rows_per_minibatch(self) -> int:
         return self.mini_batch_size * self.n_samples
 
+    @property
+    def norm_constant(self) -> int:
+        """L of seq-mean-token-sum-norm (Dr. GRPO): fixed across steps, the longest possible response."""
+        return self.loss_norm_constant or self.max_response_tokens
+
 
 def shaped_rewards(cfg: DapoConfig, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     if cfg.overlong_buffer <= 0:
@@ -78,7 +84,11 @@ def group_advantages(cfg: DapoConfig, shaped: np.ndarray) -> np.ndarray:
 
 
 def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
-    """groups: list of `ScoredGroup` (rl.rollout) → (packed [B, T] arrays, batch statistics)."""
+    """groups: list of `ScoredGroup` (rl.rollout) → (the per-sequence view: one sequence per row, [B, T]
+    with B a multiple of the mini-batch rows; `batching.pack_rollouts`), batch statistics).
+
+    Sequence i is row i; mini-batch k is rows [k·rows_per_minibatch, (k+1)·rows_per_minibatch). The
+    learner packs each mini-batch into its micro-batches (rl/learner.py)."""
     rollouts = [r for g in groups for r in g.rollouts]
     rewards = np.concatenate([g.rewards for g in groups]).astype(np.float32)      # [G*n]
     lengths = np.array([len(r.response_token_ids) for r in rollouts], np.float32)  # [G*n]

@@ -2,17 +2,37 @@
 
     old_t          = log_softmax(π_θ_old(x_<t) / T)[x_t]        recomputed by the Flax policy (fp32)
     w_t, keep_t    = tis.apply_rollout_correction(cfg, old, rollout, response_mask)
-    loss           = policy_loss(new, old, A, response_mask · keep, correction_weights=w)   per mini-batch
+    loss           = Σ_t ω_t · w_t · l_t  over the mini-batch's tokens                  per mini-batch
+    ω_t            = losses.loss_token_weights(response_mask · keep, aggregation)  from the whole mini-batch
 
-All jitted functions see fixed shapes: rows = mini_batch_size · n, T from a few length buckets.
+Layout (`memory.MemoryConfig`): the batch from `dapo.build_batch` is the per-sequence view [N, T]
+(one sequence per row). Each mini-batch (`mini_batch_size` prompt groups) becomes micro-batches that
+all have one shape [rows, L]:
+
+    max_tokens_per_micro_batch = M, pack_sequences    sequences first-fit decreasing into rows of M
+                                                      tokens; `batch_shards` rows per micro-batch
+    max_tokens_per_micro_batch = M, not packed        one sequence per row, L = min(T, M),
+                                                      batch_shards · ⌊M / L⌋ rows per micro-batch
+    None, pack_sequences                              one micro-batch: rows of the longest sequence
+                                                      (`batching.packed_row_length`), `round_rows` rows
+    None, not packed                                  one micro-batch: the view's rows (today's layout)
+
+Old logprobs are computed on exactly these micro-batches and scattered back into the view, where the
+(unchanged) rollout correction runs per sequence; its weights / keep mask and the loss weights ω are
+gathered back into each micro-batch. Gradients of the micro-batches are summed (`step.make_grad_step`)
+and the optimizer runs once per mini-batch (`step.make_apply_step`); with one micro-batch the fused
+`step.make_train_step` runs instead. Since ω comes from the whole mini-batch, every layout computes the
+same update (tests/test_micro_batches.py, tests/test_memory_equivalence.py).
 
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
-every batch the jitted functions see is split by rows over ("data", "fsdp"); the jitted functions are
-the same, GSPMD partitions them. Batches come in and metrics / logprobs go out as host numpy arrays.
+every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
+mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arrays.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 
 import jax
@@ -21,77 +41,234 @@ import numpy as np
 from flax import nnx
 
 from portable_rl import tis
-from portable_rl.learner_jax.logprobs import sequence_logprobs
-from portable_rl.learner_jax.losses import policy_loss
+from portable_rl.learner_jax.logprobs import sequence_logprobs, token_logprobs
+from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
+from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.sharding import batch_shards, pad_rows, shard_batch, shard_model_and_optimizer, to_host
-from portable_rl.learner_jax.step import make_train_step
-from portable_rl.rl.batching import split_rows
+from portable_rl.learner_jax.step import make_apply_step, make_grad_step, make_train_step, zero_grads
+from portable_rl.rl import batching
+from portable_rl.rl.batching import MicroBatchBudgetError
+
+_VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
+# policy_loss metrics that are means over the loss mask: combined over micro-batches weighted by tokens
+_MAX_METRICS = ("ratio_max",)
 
 
-def make_loss_fn(cfg, temperature: float):
+def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
+    """(logp, entropy) [R, L] of rows that may pack several sequences (segment_ids / positions)."""
+    # TODO(model engineer): sequence_logprobs(..., segment_ids=, positions=, chunk_tokens=)
+    hidden = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"],
+                                 positions=batch["positions"])                       # [R, L, D]
+    logits = model.logits(hidden[:, :-1])                                            # [R, L-1, V]
+    logp, entropy = token_logprobs(logits, batch["input_ids"][:, 1:], temperature)   # [R, L-1]
+    pad = jnp.zeros_like(logp[:, :1])
+    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
+
+
+def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
+    """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
+    and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings."""
     def loss_fn(model, batch):
-        new_logp, entropy = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
-        mask = batch["response_mask"] * batch["keep_mask"]                          # [B, T]
+        new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
+        mask = batch["response_mask"] * batch["keep_mask"]                          # [R, L]
         loss, metrics = policy_loss(
             new_logp, batch["old_logprobs"], batch["advantages"], mask,
             rollout_logprobs=batch["rollout_logprobs"], correction_weights=batch["tis_weights"],
             clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c,
-            aggregation=cfg.loss_aggregation, mode=cfg.policy_loss_mode)
+            mode=cfg.policy_loss_mode, token_weights=batch["token_weights"])
+        tokens = (mask > 0).sum().astype(jnp.float32)
+        sums = {k: v if k in _MAX_METRICS else v * tokens for k, v in metrics.items()}
         valid = batch["response_mask"] > 0
-        metrics["entropy"] = jnp.where(valid, entropy, 0.0).sum() / jnp.maximum(valid.sum(), 1)
-        return loss, metrics
+        sums.update(entropy=jnp.where(valid, entropy, 0.0).sum(), entropy_tokens=valid.sum().astype(jnp.float32),
+                    tokens=tokens)
+        return loss, sums
     return loss_fn
+
+
+_LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode")
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction):
+    """The learner's jitted functions, shared by learners whose loss settings agree (the aggregation is
+    host-side, in the token weights), so a second learner of the same model reuses the compilations."""
+    loss_fn = make_loss_fn(settings, temperature, chunk_tokens)
+    return dict(
+        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature)[0]),
+        row_logprobs=nnx.jit(lambda m, b: row_logprobs(m, b, temperature, chunk_tokens)[0]),
+        correct=jax.jit(functools.partial(tis.apply_rollout_correction, correction)),
+        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
+
+
+def combine_metrics(parts: list[dict]) -> dict:
+    """Micro-batch metric sums → one value per update: token-weighted means, ratio_max a max, loss a sum."""
+    tokens = sum(p["tokens"] for p in parts)
+    out = {"loss": sum(p["loss"] for p in parts),
+           "entropy": sum(p["entropy"] for p in parts) / max(sum(p["entropy_tokens"] for p in parts), 1.0)}
+    for k in parts[0]:
+        if k in ("loss", "entropy", "entropy_tokens", "tokens", "grad_norm", "learning_rate"):
+            continue
+        if k in _MAX_METRICS:
+            out[k] = max((p[k] for p in parts if p["tokens"] > 0), default=0.0)
+        else:
+            out[k] = sum(p[k] for p in parts) / max(tokens, 1.0)
+    return out
+
+
+@dataclasses.dataclass
+class PreparedBatch:
+    """What `Learner.correct` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
+    old_logprobs, tis_weights, keep_mask, token_weights), the per-sequence views [N, T] of the
+    correction, and the `tis/*` + `batch/*` metrics."""
+    micro_batches: list[list[dict]]
+    old_logprobs: np.ndarray
+    tis_weights: np.ndarray
+    keep_mask: np.ndarray
+    metrics: dict
 
 
 class Learner:
     def __init__(self, model, optimizer: nnx.Optimizer, cfg, correction: tis.RolloutCorrectionConfig, *,
-                 mesh: jax.sharding.Mesh | None = None):
-        """`mesh`: shard model + optimizer over it (in place) and run every step sharded; None: as is."""
+                 mesh: jax.sharding.Mesh | None = None, memory: MemoryConfig | None = None):
+        """`mesh`: shard model + optimizer over it (in place) and run every step sharded; None: as is.
+        `memory`: layout of the micro-batches (`MemoryConfig`; attention_impl / remat belong to the model)."""
         self.model, self.optimizer, self.cfg, self.correction = model, optimizer, cfg, correction
-        self.mesh = mesh
-        if mesh is not None:
+        self.mesh, self.memory = mesh, memory or MemoryConfig()
+        self.shards = batch_shards(mesh) if mesh is not None else 1
+        if mesh is None:
+            # Commit every buffer to the device it is on: a jit output is committed, so otherwise the first
+            # step (which writes the model back) changes the arguments' placement and the next one recompiles.
+            for module in (model, optimizer):
+                nnx.update(module, jax.tree.map(lambda x: jax.device_put(x, x.sharding), nnx.state(module)))
+        else:
             shard_model_and_optimizer(model, optimizer, mesh)
-            if cfg.rows_per_minibatch % batch_shards(mesh):
+            unpacked_one_call = not self.memory.pack_sequences and self.memory.max_tokens_per_micro_batch is None
+            if unpacked_one_call and cfg.rows_per_minibatch % self.shards:
                 raise ValueError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
-                                 f"a multiple of the mesh's {batch_shards(mesh)} batch shards (data × fsdp)")
-        temperature = cfg.temperature
-        self._logprobs = nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature)[0])
-        self._correct = jax.jit(functools.partial(tis.apply_rollout_correction, correction))
-        self._train_step = make_train_step(make_loss_fn(cfg, temperature))
+                                 f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
+        fns = _jitted(_LossSettings(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.policy_loss_mode),
+                      cfg.temperature, self.memory.logprob_chunk_tokens, correction)
+        self._logprobs, self._row_logprobs, self._correct = fns["logprobs"], fns["row_logprobs"], fns["correct"]
+        self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
 
+    # ------------------------------------------------------------------------------ layout
+    def micro_layouts(self, batch: dict) -> list[list[batching.Layout]]:
+        """Per mini-batch, the `batching.Layout`s of its micro-batches (all of one shape; module doc)."""
+        rpm, mem, shards = self.cfg.rows_per_minibatch, self.memory, self.shards
+        view_rows, view_len = batch["input_ids"].shape
+        lengths = np.asarray(batch["seq_len"])                                        # [N]
+        budget = mem.max_tokens_per_micro_batch
+        if budget is not None and lengths.size and lengths.max() > budget:
+            raise MicroBatchBudgetError(
+                f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
+                f"train.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
+                f"{int(lengths.max())}")
+        row_len = batching.packed_row_length(int(lengths.max(initial=1)), self.cfg.min_seq_bucket)
+        out = []
+        for first in range(0, view_rows, rpm):
+            seq = np.arange(first, min(first + rpm, len(lengths)))                   # view rows of this mini-batch
+            seq = seq[lengths[seq] > 0] if seq.size else seq
+            if not seq.size:
+                out.append([])
+                continue
+            lens = lengths[seq]
+            if budget is None and not mem.pack_sequences:
+                out.append([batching.one_per_row(seq, lens, rpm, view_len, row=seq - first)])
+            elif budget is None:
+                out.append([batching.packed(seq, lens, row_len, shards)])
+            elif mem.pack_sequences:
+                out.append(batching.split_rows_of(batching.packed(seq, lens, budget), shards))
+            else:
+                length = min(view_len, budget)
+                per = shards * max(budget // length, 1)
+                out.append([batching.one_per_row(seq[j:j + per], lens[j:j + per], per, length)
+                            for j in range(0, len(seq), per)])
+        return out
+
+    def _device(self, arrays: dict) -> dict:
+        return shard_batch(arrays, self.mesh) if self.mesh is not None else arrays
+
+    # ------------------------------------------------------------------------------ logprobs
     def logprobs(self, input_ids, attention_mask) -> np.ndarray:
-        """[B, T] logprobs of the current policy at the rollout temperature (entry t: token t given < t)."""
+        """[B, T] logprobs of the current policy at the rollout temperature (entry t: token t given < t),
+        one sequence per row (the post-sync probe)."""
         if self.mesh is None:
             return np.asarray(self._logprobs(self.model, input_ids, attention_mask))
         rows = len(input_ids)  # any B (e.g. the probe): pad with empty rows to a multiple of the shards
-        ways = batch_shards(self.mesh)
+        ways = self.shards
         batch = shard_batch({"input_ids": pad_rows(np.asarray(input_ids), ways),
                              "attention_mask": pad_rows(np.asarray(attention_mask), ways)}, self.mesh)
         return to_host(self._logprobs(self.model, batch["input_ids"], batch["attention_mask"]))[:rows]
 
-    def old_logprobs(self, batch: dict) -> np.ndarray:
-        """[B, T] logprobs of the current (pre-update) policy, computed mini-batch by mini-batch."""
-        parts = [self.logprobs(mb["input_ids"], mb["attention_mask"])
-                 for mb in split_rows(batch, self.cfg.rows_per_minibatch)]
-        return np.concatenate(parts) * batch["response_mask"]
+    def old_logprobs(self, batch: dict, layouts=None) -> np.ndarray:
+        """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the
+        update's micro-batches (0 off the response mask)."""
+        layouts = self.micro_layouts(batch) if layouts is None else layouts
+        view = {k: batch[k] for k in _VIEW_KEYS}
+        old = np.zeros(batch["input_ids"].shape, np.float32)
+        for layout in (lay for mini in layouts for lay in mini):
+            rows = layout.arrays(view)
+            logp = self._row_logprobs(self.model, self._device(
+                {k: rows[k] for k in ("input_ids", "segment_ids", "positions")}))
+            layout.to_view(to_host(logp), old)
+        return old * batch["response_mask"]
 
-    def correct(self, batch: dict) -> dict:
-        """Adds old_logprobs, tis_weights, keep_mask to `batch`; returns the `tis/*` diagnostics."""
-        old = self.old_logprobs(batch)
+    # ------------------------------------------------------------------------------ correction
+    def correct(self, batch: dict) -> PreparedBatch:
+        """Old logprobs, the rollout correction and the loss weights for `batch` (a `dapo.build_batch` /
+        `batching.pack_rollouts` per-sequence view, not modified) → the `PreparedBatch` `update` takes."""
+        layouts = self.micro_layouts(batch)
+        old = self.old_logprobs(batch, layouts)
         weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
-        batch.update(old_logprobs=old, tis_weights=np.asarray(weights), keep_mask=np.asarray(keep))
-        return {f"tis/{k}": float(v) for k, v in metrics.items()}
+        weights, keep = np.asarray(weights), np.asarray(keep)
+        loss_mask = batch["response_mask"] * keep                                        # [N, T]
+        view = {k: batch[k] for k in _VIEW_KEYS}
+        view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
+                    token_weights=np.zeros_like(loss_mask))
+        micro, padding, tokens, rows = [], 0, 0, 0
+        for mini in layouts:
+            if not mini:
+                micro.append([])
+                continue
+            seq = np.concatenate([lay.seq for lay in mini])                              # view rows of it
+            view["token_weights"][seq] = loss_token_weights(
+                loss_mask[seq], self.cfg.loss_aggregation, self.cfg.norm_constant,
+                num_sequences=len(seq))
+            micro.append([lay.arrays(view) for lay in mini])
+            padding += sum(lay.padding_tokens for lay in mini)
+            tokens += sum(lay.rows * lay.row_tokens for lay in mini)
+            rows += sum(lay.rows for lay in mini)
+        out = {f"tis/{k}": float(v) for k, v in metrics.items()}
+        out.update({"batch/padding_fraction": padding / max(tokens, 1), "batch/rows": rows,
+                    "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
+                    "batch/micro_batches": sum(len(m) for m in layouts)})
+        return PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
+                             metrics=out)
 
-    def update(self, batch: dict) -> dict:
-        """ppo_epochs passes of mini-batch updates; returns metrics averaged over updates."""
+    # ------------------------------------------------------------------------------ update
+    def update(self, prepared: PreparedBatch) -> dict:
+        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates."""
+        if not isinstance(prepared, PreparedBatch):
+            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.correct(batch)")
         history = []
         for _ in range(self.cfg.ppo_epochs):
-            for mb in split_rows(batch, self.cfg.rows_per_minibatch):
-                if not mb["response_mask"].any():   # all-padding mini-batch (short dynamic-sampling step)
+            for micro in prepared.micro_batches:
+                if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue
-                if self.mesh is not None:
-                    mb = shard_batch(mb, self.mesh)
-                history.append({k: float(v) for k, v in self._train_step(self.model, self.optimizer, mb).items()})
+                if len(micro) == 1:
+                    parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
+                    applied = parts[0]
+                else:
+                    grads, parts = zero_grads(self.model), []
+                    for mb in micro:
+                        grads, m = self._grad_step(self.model, self._device(mb), grads)
+                        parts.append(m)
+                    applied = self._apply_step(self.model, self.optimizer, grads)
+                parts = jax.device_get(parts)
+                update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
+                update.update({k: float(v) for k, v in jax.device_get(applied).items()
+                               if k in ("grad_norm", "learning_rate")})
+                history.append(update)
         if not history:
             return {}
         return {f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
