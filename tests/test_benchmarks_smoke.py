@@ -81,3 +81,54 @@ def test_rollout_run_dir_breakdown(tmp_path):
     assert b["shares"]["time/generate"] == pytest.approx(0.5)
     assert b["other_share"] == pytest.approx(1 - (0.5 + 0.1 + 0.23 + 0.06))
     assert b["sync_ok"] is False  # 6 % > 5 %
+
+
+@pytest.mark.slow
+def test_learner_memory_tiny_reports_old_and_new_peak():
+    out = run([sys.executable, "benchmarks/learner_memory.py", "--model", "tiny", "--tokens_per_device", "256",
+               "--fsdp", "2", "--path", "both", "--chunk_tokens", "64", "--micro_tokens", "128", "--json"],
+              timeout=600)
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["path"] for r in rows] == ["old", "new"]
+    # tiny: V=256, D=64, 2 layers of q (64x64), k, v (64x32), o (64x64), gate/up/down (64x128), norms
+    matrices = 2 * 256 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)   # split in 2 along D
+    vectors = 64 + 2 * (2 * 64 + 2 * 16)                                       # replicated gains
+    for r in rows:
+        assert (r["model"], r["tokens_per_device"], r["fsdp"]) == ("tiny", 256, 2)
+        assert r["params_bytes"] == 2 * (matrices // 2 + vectors)               # bf16, 1/fsdp of each matrix
+        # f32 master + two f32 AdamW moments = 6x the bf16 params, plus a few scalar counters
+        assert 0 <= r["optimizer_bytes"] - 6 * r["params_bytes"] < 64
+        for f in r["functions"]:
+            assert f["compile_seconds"] > 0 and f["temp_bytes"] > 0
+        assert r["peak_bytes_per_device"] == max(f["live_bytes"] for f in r["functions"])
+        assert r["peak_bytes_per_device"] > r["params_bytes"] + r["optimizer_bytes"] + r["temp_bytes"] - 1
+        assert r["compile_seconds"] == pytest.approx(sum(f["compile_seconds"] for f in r["functions"]))
+    old, new = rows
+    assert old["knobs"]["attention_impl"] == "dense" and old["knobs"]["remat"] == "none"
+    assert [f["name"] for f in old["functions"]] == ["train_step"]
+    # new: 256 tokens in micro-batches of 128 -> gradient accumulation (grad step + apply step), f32 accumulator
+    assert new["micro_batches"] == 2 and [f["name"] for f in new["functions"]] == ["grad_step", "apply_step"]
+    assert new["grad_accumulator_bytes"] == 2 * new["params_bytes"]
+    assert new["knobs"]["logprob_chunk_tokens"] == 64 and new["knobs"]["max_tokens_per_micro_batch"] == 128
+
+
+@pytest.mark.slow
+def test_learner_throughput_tiny_same_update_on_all_sides(tmp_path):
+    out = run([sys.executable, "benchmarks/learner_throughput.py", "--layers", "1", "--hidden", "32",
+               "--intermediate", "64", "--heads", "2", "--vocab", "128", "--sequences", "4",
+               "--prompt_tokens", "8", "--median_response", "24", "--max_response", "64", "--dtypes", "fp32",
+               "--reps", "1", "--chunk_tokens", "32", "--json", "--workdir", str(tmp_path)], timeout=900)
+    r = json.loads(out.strip().splitlines()[-1])
+    lengths = r["response_lengths"]
+    assert len(lengths) == 4 and all(16 <= n <= 64 for n in lengths)
+    assert r["real_tokens"] == sum(8 + n for n in lengths)
+    assert r["same_work"]
+    sides = {run_["side"]: run_ for run_ in r["runs"]}
+    assert set(sides) == {"new", "old", "torch"}
+    norms = [s["first_update"]["grad_norm"] for s in sides.values()]
+    assert min(norms) > 0 and max(norms) - min(norms) <= 1e-3 * max(norms)   # one gradient, three ways
+    for s in sides.values():
+        assert s["tokens_per_s"] == pytest.approx(r["real_tokens"] / s["update_s"])
+    # the old layout pads every row to a power of two, torch to the longest: both compute padding
+    assert sides["old"]["padded_tokens"] >= sides["torch"]["padded_tokens"] >= r["real_tokens"]
+    assert r["ratio_vs_torch"]["new"] == pytest.approx(sides["new"]["tokens_per_s"] / sides["torch"]["tokens_per_s"])

@@ -1,0 +1,302 @@
+"""Per-device peak memory of ONE learner update at real model sizes, from abstract shapes (nothing allocated).
+
+The model and optimizer are built with `nnx.eval_shape` (bf16 params; `with_master_weights(make_optimizer())`
+keeps f32 master params and f32 AdamW moments), every leaf is a `jax.ShapeDtypeStruct` carrying its fsdp
+`NamedSharding` (`learner_jax/sharding.py`), the batch is `ShapeDtypeStruct`s split by rows over the mesh,
+and each jitted function of one update is `lower(...).compile()`d for a mesh of host CPU devices
+(`--xla_force_host_platform_device_count=--fsdp`, set below before JAX starts). Per compiled function f,
+`f.memory_analysis()` gives per-device bytes of its arguments, outputs, the outputs aliased onto donated
+arguments, and its temporaries (one block: XLA's buffer assignment packs every intermediate, its reuse
+included, into it):
+
+    live(f)  = argument + output - alias + temp + (persistent state that is not an argument of f)
+    peak     = max over the functions f of one update of live(f)
+
+persistent state = params + optimizer state (+ the gradient accumulator on the micro-batch path); it is
+resident during every function, so it is counted once. `peak_memory_in_bytes` of this jax's
+CompiledMemoryStats is reported too (`xla_peak_memory_in_bytes`) but not used: on XLA:CPU it equals the
+argument bytes (temporaries are not in it).
+
+Paths (`--path`):
+    new   the memory-linear learner: blockwise attention, one packed row of --tokens_per_device tokens per
+          device (several sequences, segment ids), the gradient-accumulation micro-batch step (micro-batches
+          of --micro_tokens per device, default all of them; each function of it measured), the chunked
+          logprob head (--chunk_tokens), remat (--remat, default 'full')
+    old   the learner before it: dense attention ([B, K, G, T, T] f32 scores), the same tokens per device as
+          rows of one sequence (--seq_len tokens each, default --tokens_per_device), one jitted step, no
+          chunking, no remat
+    both  old then new
+
+Output: one line per path; `--json` makes each a JSON object with model, tokens_per_device, fsdp, path,
+peak_bytes_per_device, the parts (params / optimizer / argument / output / alias / temp bytes), every
+compiled function's numbers, the knobs, compile_seconds.
+
+    python benchmarks/learner_memory.py --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
+    python benchmarks/learner_memory.py --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
+    python benchmarks/learner_memory.py --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
+
+Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
+assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early
+all-gathered weights are prefetched), so read the numbers as an estimate of the GPU peak, +-10-20 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+# Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub); `tiny` for smoke tests.
+MODELS = {
+    "qwen3_8b": {
+        "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+        "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6, "attention_bias": False,
+        "max_position_embeddings": 40960, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    "qwen2_5_7b": {
+        "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+        "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    "tiny": {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+        "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+    },
+}
+OPTIM = dict(learning_rate=1e-6, weight_decay=0.1, max_grad_norm=1.0)   # the 7B/8B recipes' AdamW
+GB = 1e9
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3_8b", choices=sorted(MODELS))
+    p.add_argument("--tokens_per_device", type=int, default=32768)
+    p.add_argument("--fsdp", type=int, default=8, help="fsdp mesh size = number of host devices")
+    p.add_argument("--path", default="new", choices=("new", "old", "both"))
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (same widths)")
+    p.add_argument("--remat", default="full", help="new path: remat policy (learner_jax/memory.py)")
+    p.add_argument("--attention_impl", default="blockwise", help="new path: attention implementation")
+    p.add_argument("--micro_tokens", type=int, default=None,
+                   help="new path: max_tokens_per_micro_batch per device (default: --tokens_per_device)")
+    p.add_argument("--chunk_tokens", type=int, default=4096, help="new path: logprob_chunk_tokens")
+    p.add_argument("--segment_tokens", type=int, default=2048,
+                   help="new path: tokens per packed sequence (segment ids; shapes do not depend on it)")
+    p.add_argument("--seq_len", type=int, default=None,
+                   help="old path: row length (one sequence per row; default --tokens_per_device)")
+    p.add_argument("--cpu_scheduler", default="concurrency", choices=("concurrency", "memory"),
+                   help="XLA:CPU's scheduler: 'concurrency' (XLA:CPU's default) or 'memory' "
+                        "(--xla_cpu_enable_concurrency_optimized_scheduler=false; lower at ~1k tokens per "
+                        "device, where gathered weights dominate, higher at 32k, where activations do)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = p.parse_args(argv)
+    for name in ("tokens_per_device", "fsdp", "chunk_tokens", "segment_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    seq = args.seq_len or args.tokens_per_device
+    if args.tokens_per_device % seq:
+        p.error(f"--tokens_per_device={args.tokens_per_device} is not a multiple of --seq_len={seq}")
+    micro = args.micro_tokens or args.tokens_per_device
+    if args.tokens_per_device % micro:
+        p.error(f"--tokens_per_device={args.tokens_per_device} is not a multiple of --micro_tokens={micro}")
+    return args
+
+
+# --------------------------------------------------------------------------------------- abstract state
+def device_bytes(x) -> int:
+    """Bytes of one device's shard of a ShapeDtypeStruct / array with a sharding."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    return math.prod(shape) * x.dtype.itemsize
+
+
+def tree_device_bytes(tree) -> int:
+    import jax
+
+    return sum(device_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def abstract_model_and_optimizer(config, mesh, *, model_kwargs):
+    """(model, optimizer) whose arrays are sharded ShapeDtypeStructs: bf16 params, f32 master + moments."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from portable_rl.learner_jax.model import Transformer
+    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
+    from portable_rl.learner_jax.sharding import state_shardings
+
+    def create():
+        model = Transformer(config, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                            **model_kwargs)
+        optimizer = nnx.Optimizer(model, with_master_weights(make_optimizer(**OPTIM)), wrt=nnx.Param)
+        return model, optimizer
+
+    model, optimizer = nnx.eval_shape(create)
+    for module in (model, optimizer):
+        state = nnx.state(module)
+        shardings = state_shardings(state, mesh)
+        nnx.update(module, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                        state, shardings))
+    return model, optimizer
+
+
+def abstract_batch(mesh, rows_per_device: int, seq: int, fields: dict):
+    """{name: ShapeDtypeStruct [fsdp * rows_per_device, seq]} split by rows over the batch axes."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from portable_rl.learner_jax.sharding import batch_shards
+
+    rows = rows_per_device * batch_shards(mesh)
+    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return {k: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=sharding) for k, dtype in fields.items()}
+
+
+def compile_stats(name: str, jitted, *args) -> dict:
+    """Lower + compile `jitted(*args)`; its per-device memory_analysis numbers and compile seconds."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    return {"name": name, "argument_bytes": int(m.argument_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes),
+            "xla_peak_memory_in_bytes": int(getattr(m, "peak_memory_in_bytes", -1)),
+            "compile_seconds": seconds}
+
+
+def combine(functions: list[dict], persistent_bytes: int) -> dict:
+    """peak = max_f (argument + output - alias + temp + persistent state not among f's arguments)."""
+    for f in functions:
+        f["live_bytes"] = (f["argument_bytes"] + f["output_bytes"] - f["alias_bytes"] + f["temp_bytes"]
+                           + persistent_bytes - f.pop("persistent_argument_bytes"))
+    worst = max(functions, key=lambda f: f["live_bytes"])
+    return {"peak_bytes_per_device": worst["live_bytes"], "peak_function": worst["name"],
+            "temp_bytes": worst["temp_bytes"], "argument_bytes": worst["argument_bytes"],
+            "output_bytes": worst["output_bytes"], "alias_bytes": worst["alias_bytes"],
+            "compile_seconds": sum(f["compile_seconds"] for f in functions), "functions": functions}
+
+
+# ------------------------------------------------------------------------------------------------ paths
+INT_FIELDS = ("input_ids", "segment_ids", "positions")
+FLOAT_FIELDS = ("response_mask", "keep_mask", "old_logprobs", "rollout_logprobs", "advantages", "tis_weights",
+                "token_weights")
+
+
+def rl_cfg():
+    """The DAPO settings of the 7B/8B recipes (gin/recipes/dapo_seed_settings.gin) that the loss reads."""
+    from portable_rl.rl.dapo import DapoConfig
+
+    return DapoConfig(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
+                      clip_eps_high=0.28, loss_aggregation="token-mean")
+
+
+def path_memory(path: str, args):
+    """The `MemoryConfig` of a path (module doc) and (rows per device, tokens per row) of a micro-batch."""
+    from portable_rl.learner_jax.memory import MemoryConfig
+
+    if path == "old":
+        seq = args.seq_len or args.tokens_per_device
+        return (MemoryConfig(attention_impl="dense", pack_sequences=False, max_tokens_per_micro_batch=None,
+                             logprob_chunk_tokens=None, remat="none"), (args.tokens_per_device // seq, seq))
+    micro = args.micro_tokens or args.tokens_per_device
+    return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=True,
+                         max_tokens_per_micro_batch=micro, logprob_chunk_tokens=args.chunk_tokens,
+                         remat=args.remat), (1, micro))
+
+
+def measure(path: str, config, mesh, args) -> dict:
+    """Compiles the functions of one update of `path` (what `rl.learner.Learner.update` runs: the fused
+    `make_train_step` for one micro-batch, else `make_grad_step` per micro-batch + `make_apply_step`)."""
+    import jax.numpy as jnp
+
+    from portable_rl.learner_jax import step as step_lib
+    from portable_rl.rl.learner import make_loss_fn
+
+    memory, (rows, seq) = path_memory(path, args)
+    model, optimizer = abstract_model_and_optimizer(
+        config, mesh, model_kwargs=dict(attention_impl=memory.attention_impl, remat=memory.remat))
+    fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
+    batch = abstract_batch(mesh, rows, seq, fields)
+    loss_fn = make_loss_fn(rl_cfg(), 1.0, memory.logprob_chunk_tokens)
+    params, opt = tree_device_bytes(_params(model)), tree_device_bytes(_opt_state(optimizer))
+    micro_batches = args.tokens_per_device // (rows * seq)
+    if micro_batches == 1:
+        f = compile_stats("train_step", step_lib.make_train_step(loss_fn), model, optimizer, batch)
+        f["persistent_argument_bytes"] = params + opt
+        functions, persistent, grads = [f], params + opt, 0
+    else:
+        import jax
+
+        grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+                                _params(model))                     # step.zero_grads, abstractly
+        grads = tree_device_bytes(grad_sum)
+        g = compile_stats("grad_step", step_lib.make_grad_step(loss_fn), model, batch, grad_sum)
+        g["persistent_argument_bytes"] = params + grads
+        a = compile_stats("apply_step", step_lib.make_apply_step(), model, optimizer, grad_sum)
+        a["persistent_argument_bytes"] = params + opt + grads
+        functions, persistent = [g, a], params + opt + grads
+    out = combine(functions, persistent)
+    out.update(params_bytes=params, optimizer_bytes=opt, grad_accumulator_bytes=grads,
+               micro_batches=micro_batches, rows_per_device=rows, row_tokens=seq,
+               knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
+                      "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
+                      "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat})
+    return out
+
+
+def _params(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def _opt_state(optimizer):
+    from flax import nnx
+
+    return nnx.state(optimizer)   # step counter + opt_state (nnx.Optimizer holds no model reference)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Host devices must be requested before JAX initialises its CPU backend.
+    flags = f" --xla_force_host_platform_device_count={args.fsdp}"
+    if args.cpu_scheduler == "memory":
+        flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    from portable_rl.learner_jax.config import ModelConfig
+    from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
+
+    if len(jax.devices()) < args.fsdp:
+        sys.exit(f"JAX sees {len(jax.devices())} devices, need --fsdp={args.fsdp}; run this script in a fresh "
+                 f"process (XLA_FLAGS is set before JAX starts)")
+    hf = dict(MODELS[args.model])
+    if args.layers is not None:
+        hf["num_hidden_layers"] = args.layers
+    config = ModelConfig.from_hf_dict(hf)
+    mesh = make_mesh(MeshConfig(fsdp=args.fsdp), devices=jax.devices()[:args.fsdp])
+    paths = ("old", "new") if args.path == "both" else (args.path,)
+    for path in paths:
+        with jax.set_mesh(mesh):  # the model pins its activations' rows to the mesh (sharding.constrain_batch_rows)
+            result = measure(path, config, mesh, args)
+        row = {"model": args.model, "layers": config.num_hidden_layers, "tokens_per_device": args.tokens_per_device,
+               "fsdp": args.fsdp, "path": path, **result, "jax": jax.__version__, "backend": jax.default_backend()}
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{args.model} L={config.num_hidden_layers} {args.tokens_per_device} tokens/device fsdp={args.fsdp} "
+                  f"{path}: peak {row['peak_bytes_per_device'] / GB:.2f} GB/device ({row['peak_function']}: "
+                  f"params {row['params_bytes'] / GB:.2f} + optimizer {row['optimizer_bytes'] / GB:.2f} + "
+                  f"temp {row['temp_bytes'] / GB:.2f} GB), compile {row['compile_seconds']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
