@@ -7,9 +7,17 @@ The one definition (docs/architecture.md):
 
 no top-k / top-p truncation. Engines return exactly this when configured with
 `logprobs_mode="processed_logprobs"`, `top_p=1`, `top_k=-1` (vLLM).
+
+Memory: the [tokens, V] float32 logits are the largest tensor of a learner step (V ~ 150k: 0.6 MB
+per token, forward, plus as much again for their gradient). `sequence_logprobs(..., chunk_tokens=C)`
+runs the head and `token_logprobs` over chunks of C tokens under `jax.checkpoint`, so at most one
+[C, V] chunk (and its gradient) exists at a time; the backward recomputes each chunk's logits
+(one more head matmul, ~1/3 of the head's cost). Same values and gradients as unchunked.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -51,17 +59,71 @@ def _token_logprobs_bwd(res, cotangents):
 token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
+def _check_chunk_tokens(chunk_tokens):
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive int, or None for no chunking")
+
+
+def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_tokens: int):
+    """`token_logprobs(head(hidden), targets, temperature)` without the whole [..., V] logits.
+
+    hidden [B, T, D], targets [B, T] int -> (logp, entropy) [B, T] float32. The B*T tokens are
+    flattened, padded with zeros to a multiple of C = min(chunk_tokens, B*T) and mapped over in
+    chunks of C (`lax.map`); each chunk's `head` ([C, D] -> [C, V] f32 logits) and `token_logprobs`
+    run under `jax.checkpoint`, so the map's backward keeps only each chunk's [C, D] input and
+    recomputes its logits: one [C, V] chunk and its gradient at a time, forward and backward. The
+    head's weight gradient is summed over chunks in float32 by the map's backward.
+    """
+    _check_chunk_tokens(chunk_tokens)
+    B, T, D = hidden.shape
+    tokens = B * T
+    size = min(chunk_tokens, tokens)
+    num_chunks = -(-tokens // size)
+    pad = num_chunks * size - tokens
+    hidden = jnp.pad(hidden.reshape(tokens, D), ((0, pad), (0, 0))).reshape(num_chunks, size, D)
+    targets = jnp.pad(targets.reshape(tokens), (0, pad)).reshape(num_chunks, size)
+
+    # Inside a loop body the loop itself keeps the recomputation apart from the forward pass, so
+    # no CSE barriers are needed (prevent_cse=False, as jax.checkpoint's docs advise for scan).
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_chunk(chunk):                        # ([C, D], [C]) -> ([C], [C])
+        hidden_c, targets_c = chunk
+        return token_logprobs(head(hidden_c), targets_c, temperature)   # head: [C, V] f32
+
+    logp, entropy = jax.lax.map(one_chunk, (hidden, targets))            # [num_chunks, C] each
+    unpad = lambda x: x.reshape(num_chunks * size)[:tokens].reshape(B, T)
+    return unpad(logp), unpad(entropy)
+
+
+def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float = 1.0, *,
+                      segment_ids=None, positions=None, chunk_tokens: int | None = None):
     """Per-token logprobs of a batch of sequences under `model`; both outputs [B, T] float32.
 
     Entry t is log p(input_ids[:, t] | input_ids[:, :t]) and entropy[:, t] is the entropy of that
     predictive distribution. Entry 0 has no context and is 0 in both. Padded positions hold
     meaningless values: multiply by a response / attention mask before using them.
+
+    Packed rows (`segment_ids` [B, T], 1, 2, ... per sequence, 0 = padding, with optional `positions`;
+    `Transformer.hidden_states`): the context is the token's own sequence, and the first token of
+    each segment (no context in it) is 0 in both outputs, so every sequence gets exactly the values
+    it gets alone in a row. `chunk_tokens=C` computes the head over chunks of C tokens
+    (`chunked_token_logprobs`, memory of one [C, V] chunk instead of [B, T-1, V]); None: all at once.
     """
-    hidden = model.hidden_states(input_ids, attention_mask)                  # [B, T, D]
+    if chunk_tokens is not None:
+        _check_chunk_tokens(chunk_tokens)       # before the forward pass, not after it
+    hidden = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids,
+                                 positions=positions)                       # [B, T, D]
     # The logits at t-1 predict token t; the last position predicts nothing, so it is dropped
     # before the head rather than sliced out of [B, T, V] logits (a copy of the largest tensor).
-    logits = model.logits(hidden[:, :-1])                                    # [B, T-1, V]
-    logp, entropy = token_logprobs(logits, input_ids[:, 1:], temperature)    # [B, T-1]
+    targets = input_ids[:, 1:]                                               # [B, T-1]
+    if chunk_tokens is None:
+        logits = model.logits(hidden[:, :-1])                                # [B, T-1, V]
+        logp, entropy = token_logprobs(logits, targets, temperature)         # [B, T-1]
+    else:
+        logp, entropy = chunked_token_logprobs(model.logits, hidden[:, :-1], targets, temperature,
+                                               chunk_tokens=chunk_tokens)    # [B, T-1]
+    if segment_ids is not None:  # a segment's first token is predicted from the previous segment
+        starts = segment_ids[:, 1:] != segment_ids[:, :-1]                   # [B, T-1]
+        logp, entropy = jnp.where(starts, 0.0, logp), jnp.where(starts, 0.0, entropy)
     pad = jnp.zeros_like(logp[:, :1])
     return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)

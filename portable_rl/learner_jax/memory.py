@@ -42,3 +42,8 @@ class MemoryConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive int, or None")
+
+    def model_kwargs(self) -> dict:
+        """The knobs the model is built with: `Transformer(config, ..., **m.model_kwargs())` (and the
+        same keywords on `convert.load_hf_model`); 'auto' attention is resolved by the model."""
+        return {"attention_impl": self.attention_impl, "remat": self.remat}

@@ -15,6 +15,19 @@ Parameters are stored in `param_dtype` (default float32 master weights) and cast
 softmax and its backward, and the logits are float32: bf16 RoPE and a bf16 softmax backward biased
 bf16-compute gradients (docs/models.md, "bf16 gradients").
 Kernels are [in, out] (HF stores [out, in]; `convert/mapping.py` transposes).
+
+Memory knobs (`Transformer(..., attention_impl=, remat=)`, chosen in learner_jax/memory.py), for a row
+of T tokens, L layers, width D, ffn F:
+    attention_impl  'dense' keeps [B, heads, T, T] f32 probabilities per layer; the others
+                    (attention.py) O(T) per layer
+    remat='none'    each layer's activations (~ T · (6 D + 3 F) values) live from its forward to
+                    its backward: memory ~ L · that
+    remat='full'    each layer keeps only its input x_l [B, T, D] f32 and re-runs its forward in the
+                    backward (`remat_function`): memory ~ L · T · D · 4 B + one layer's activations,
+                    for about one more forward pass of compute
+    remat=<policy>  a `jax.checkpoint_policies` name: keep what it saves (matmul outputs), re-run the rest
+Packed rows (segment ids + per-segment positions, `hidden_states`) give each sequence exactly the
+hidden states it has alone in a row.
 """
 
 from __future__ import annotations
@@ -25,9 +38,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax import attention as attention_lib
 from portable_rl.learner_jax.attention import attention
+from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.dense import dense
+from portable_rl.learner_jax.memory import REMAT_POLICIES
+from portable_rl.learner_jax.sharding import constrain_batch_rows
 
 
 class Linear(nnx.Module):
@@ -145,28 +161,114 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x)).astype(jnp.float32)
 
 
-def _apply_layer(layer, x, cos, sin, segment_ids):
-    return layer(x, cos, sin, segment_ids)
+def resolve_attention_impl(impl: str) -> str:
+    """'auto' -> the attention module's choice for this backend; any other name is checked.
+
+    Uses `attention.resolve_attention_impl` where it exists; without it 'auto' means 'blockwise' if
+    that implementation is there, else 'dense'."""
+    resolver = getattr(attention_lib, "resolve_attention_impl", None)
+    if resolver is not None:
+        return resolver(impl)
+    if impl == "auto":
+        return "blockwise" if "blockwise" in attention_lib.IMPLS else "dense"
+    if impl not in attention_lib.IMPLS:
+        raise ValueError(f"attention_impl={impl!r}; use one of {('auto',) + tuple(attention_lib.IMPLS)}")
+    return impl
 
 
-# Recomputes a layer's activations in the backward pass instead of storing them.
-_apply_layer_remat = nnx.remat(_apply_layer)
+def resolve_remat(remat) -> str:
+    """A name from `memory.REMAT_POLICIES`; the old booleans mean True -> 'full', False/None -> 'none'."""
+    if remat is True:
+        return "full"
+    if remat is False or remat is None:
+        return "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; use one of {REMAT_POLICIES} (or True / False)")
+    return remat
+
+
+def _tie_to(tree, cotangent):
+    """`tree` + 0 * (one element of `cotangent`): the same values, but XLA must wait for the cotangent.
+
+    Why: `jax.checkpoint` keeps its recomputation apart from the forward pass with optimization
+    barriers, and XLA:CPU deletes those barriers before its last CSE pass, so the recomputed layer
+    was merged back into the forward and every layer's activations stayed alive anyway (measured:
+    remat=True gave the same compiled temp bytes as no remat). A real data dependence on the
+    cotangent cannot be merged away or scheduled early, on any backend. The multiply by a zero XLA
+    cannot prove zero costs one fused add per input; a non-finite cotangent element turns the
+    layer's gradients into NaN (they would be non-finite anyway)."""
+    zero = 0 * jax.tree.leaves(cotangent)[0].reshape(-1)[0]
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.number) else a,
+                        tree)
+
+
+def remat_function(fn, remat: str):
+    """`fn(*args)` whose backward recomputes its forward (remat='full') or all but what the
+    `jax.checkpoint_policies` policy of that name saves (e.g. 'dots_saveable': matmul outputs).
+
+    The forward saves `jax.vjp(jax.checkpoint(fn, policy))`'s residuals (the inputs, plus the values the
+    policy saves); the backward ties them to the incoming cotangent (`_tie_to`) and runs the recomputation.
+    Gradients are exactly those of `fn`."""
+    remat = resolve_remat(remat)
+    if remat == "none":
+        return fn
+    policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+    checkpointed = jax.checkpoint(fn, policy=policy, prevent_cse=False)  # the tie does prevent_cse's job
+
+    @jax.custom_vjp
+    def run(*args):
+        return fn(*args)
+
+    def run_fwd(*args):
+        return jax.vjp(checkpointed, *args)             # (out, vjp closure: its leaves are the residuals)
+
+    def run_bwd(vjp_fn, cotangent):
+        return _tie_to(vjp_fn, cotangent)(cotangent)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _layer_function(graphdef):
+    """A pure `(layer state, x, cos, sin, segment_ids) -> x` for one `DecoderLayer` (for remat_function)."""
+    def apply(state, x, cos, sin, segment_ids):
+        return nnx.merge(graphdef, state)(x, cos, sin, segment_ids)
+    return apply
+
+
+def segment_positions(segment_ids):
+    """[B, T] segment ids (contiguous runs, 0 = padding) -> [B, T] int32 positions restarting at 0 in
+    each segment (0 on padding)."""
+    B, T = segment_ids.shape
+    t = jnp.arange(T, dtype=jnp.int32)[None]                                    # [1, T]
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)                     # [B, T] segment's first t
+    return jnp.where(segment_ids > 0, t - start, 0)
 
 
 class Transformer(nnx.Module):
     """`model(input_ids [B, T] int, attention_mask [B, T] 0/1 | None) -> logits [B, T, V] float32`,
     i.e. `model.logits(model.hidden_states(input_ids, attention_mask))`; the two halves let a caller
-    drop positions before the vocabulary-sized head (sequence_logprobs drops the last one).
+    drop positions before the vocabulary-sized head (sequence_logprobs drops the last one, and with
+    `chunk_tokens` never builds all the logits at once).
 
-    `remat=True` recomputes each layer in the backward pass (activation memory of one layer
-    instead of all of them, for about one extra forward pass of compute).
+    Memory knobs (learner_jax/memory.py, `MemoryConfig.model_kwargs()`), none of which changes a number:
+      attention_impl  'dense' (the [B, heads, T, T] reference) or another `attention.IMPLS` entry;
+                      'auto' is resolved here, once, by the attention module (`self.attention_impl`).
+      remat           'none': every layer's activations live from its forward to its backward;
+                      'full': each layer keeps only its input [B, T, D] f32 and recomputes the rest in
+                      the backward (about one more forward of compute); a `jax.checkpoint_policies`
+                      name ('dots_saveable', 'dots_with_no_batch_dims_saveable', ...) keeps what that
+                      policy saves (matmul outputs) and recomputes the rest. True / False are
+                      'full' / 'none' (older callers).
     """
 
     def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
-                 rngs: nnx.Rngs | None = None, remat: bool = False):
+                 rngs: nnx.Rngs | None = None, attention_impl: str = "dense", remat="none"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
-        self.remat = remat
+        self.remat = resolve_remat(remat)
+        self.attention_impl = resolve_attention_impl(attention_impl)
         self.param_dtype, self.compute_dtype = jnp.dtype(param_dtype), jnp.dtype(compute_dtype)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=param_dtype,
@@ -174,6 +276,8 @@ class Transformer(nnx.Module):
                                embedding_init=nnx.initializers.normal(0.02))
         self.layers = nnx.List([DecoderLayer(config, **dtypes, rngs=rngs)
                                 for _ in range(config.num_hidden_layers)])
+        for layer in self.layers:
+            layer.attn.attention_impl = self.attention_impl
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, use_bias=False, **dtypes,
@@ -185,26 +289,34 @@ class Transformer(nnx.Module):
     def hidden_states(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None):
         """[B, T] ids -> [B, T, D] final-norm outputs in the compute dtype (the head's input).
 
-        Either `attention_mask` [B, T] 0/1 (one sequence per row, any padding side) or, for packed
-        rows, `segment_ids` [B, T] int (1, 2, ... per sequence, 0 = padding) with `positions` [B, T]
-        (restarting at 0 for each sequence). Without positions they are cumsum(valid) - 1.
+        Either `attention_mask` [B, T] 0/1 (one sequence per row, any padding side; positions are
+        cumsum(mask) - 1) or, for packed rows, `segment_ids` [B, T] int (1, 2, ... per sequence, each
+        a contiguous run, 0 = padding) with `positions` [B, T] (default: restarting at 0 in each
+        segment, `segment_positions`). A packed sequence gets exactly the hidden states it gets alone
+        in a row: attention never crosses segments and RoPE sees its own positions.
         """
         B, T = input_ids.shape
         if segment_ids is None:
             segment_ids = (jnp.ones((B, T), jnp.int32) if attention_mask is None
                            else attention_mask.astype(jnp.int32))
-        if positions is None:
-            positions = jnp.maximum(jnp.cumsum(segment_ids > 0, axis=-1) - 1, 0)  # [B, T]
+            if positions is None:
+                positions = jnp.maximum(jnp.cumsum(segment_ids > 0, axis=-1) - 1, 0)  # [B, T]
+        elif positions is None:
+            positions = segment_positions(segment_ids)                         # [B, T]
         freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)  # [B, T, H/2]
         angles = jnp.concatenate([freqs, freqs], axis=-1)                      # [B, T, H]
         cos, sin = jnp.cos(angles), jnp.sin(angles)                            # [B, T, H] float32
 
         # Residual stream in float32: bf16 only at matmul inputs (norm outputs) and outputs.
         x = self.embed(input_ids).astype(jnp.float32)                          # [B, T, D] f32
-        apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
-            x = apply(layer, x, cos, sin, segment_ids)
-        return self.final_norm(x)
+            x = constrain_batch_rows(x)  # rows stay split over the mesh (sharding.py says why)
+            if self.remat == "none":
+                x = layer(x, cos, sin, segment_ids)
+            else:  # a pure function of the layer's arrays, so the backward can re-run it
+                graphdef, state = nnx.split(layer)
+                x = remat_function(_layer_function(graphdef), self.remat)(state, x, cos, sin, segment_ids)
+        return self.final_norm(constrain_batch_rows(x))
 
     def logits(self, x):
         """[..., D] hidden states -> [..., V] float32 logits."""
