@@ -147,6 +147,8 @@ def test_cpu_engine_dtype_is_bf16_only_with_hardware_bf16(tmp_path):
     assert cpu_engine_dtype({"avx512f", "avx512_bf16"})[0] == "bfloat16"  # Zen 4 / Cooper Lake
     assert cpu_engine_dtype({"avx512f", "amx_tile", "amx_bf16"})[0] == "bfloat16"  # Sapphire Rapids
     assert cpu_engine_dtype({"avx2", "avx512f"})[0] == "float32"  # Zen 2/3, Skylake: software bf16
+    # vLLM's fp8 methods refuse float32 activations ("torch.float32 is not supported for quantization ...")
+    assert cpu_engine_dtype({"avx2"}, quantization="fp8_per_channel")[0] == "bfloat16"
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n")
     assert cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}

@@ -20,6 +20,15 @@ it down only with the last one).
 
 `engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
 `"fp8_per_block"` on GPU, `tensor_parallel_size`, `enable_sleep_mode`); they override the defaults here.
+
+Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpuinfo shows bf16 dot-product
+instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
+only bf16/fp16 activations); float32 elsewhere, since without those instructions every bf16 GEMM is
+widened in software (SmolLM2-135M decode: 29 tok/s bf16 vs 112 tok/s float32 on an EPYC without AVX-512;
+the other way round, bf16 1.7x faster, on a Zen 4 EPYC with avx512_bf16: docs/benchmarks.md). Each
+distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
+gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
+is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import gc
 import json
 import os
 import struct
+import sys
 from typing import Any, Sequence
 
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
@@ -36,13 +46,45 @@ from portable_rl.engines.registry import register
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
-CPU_KV_CACHE_BYTES = 256 << 20
+CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
+_CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 
 
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU feature flags of the first core (empty when /proc/cpuinfo is unreadable: not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):  # x86 / ARM spelling
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_engine_dtype(flags: set[str] | None = None, quantization: str | None = None) -> tuple[str, str]:
+    """(dtype, why): bfloat16 when the CPU has hardware bf16 dot products or the engine quantizes, else float32."""
+    if quantization:
+        return "bfloat16", f"quantization={quantization!r} needs bf16/fp16 activations in vLLM"
+    flags = cpu_flags() if flags is None else flags
+    fast = [f for f in FAST_BF16_CPU_FLAGS if f in flags]
+    if fast:
+        return "bfloat16", f"CPU has {'/'.join(fast)}"
+    return "float32", f"CPU lacks {' and '.join(FAST_BF16_CPU_FLAGS)} (bf16 GEMMs would run in software)"
+
+
+def _log_cpu_dtype_once(dtype: str, why: str) -> None:
+    if (dtype, why) not in _CPU_DTYPE_LOGGED:
+        _CPU_DTYPE_LOGGED.add((dtype, why))
+        print(f"[vllm] CPU engine dtype {dtype}: {why}; override with engine_init_kwargs={{'dtype': ...}}",
+              file=sys.stderr, flush=True)
 
 
 class WeightUpdateError(ValueError):
@@ -128,7 +170,7 @@ class VLLMEngine(EngineAdapter):
 
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = True, dtype: str = "bfloat16", in_process: bool = True,
+                 enforce_eager: bool = True, dtype: str | None = None, in_process: bool = True,
                  validate_weights: bool = True):
         # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -140,6 +182,12 @@ class VLLMEngine(EngineAdapter):
         if _on_cpu():
             vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
         self.model_path = str(model_path)
+        on_cpu = _on_cpu()
+        if dtype is None:  # None = the platform's fast dtype (module doc)
+            quantization = (engine_init_kwargs or {}).get("quantization")
+            dtype, why = cpu_engine_dtype(quantization=quantization) if on_cpu else ("bfloat16", "GPU")
+            if on_cpu and "dtype" not in (engine_init_kwargs or {}):
+                _log_cpu_dtype_once(dtype, why)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, seed=seed, enforce_eager=enforce_eager,
             dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION)
@@ -147,11 +195,12 @@ class VLLMEngine(EngineAdapter):
             kwargs["max_model_len"] = max_model_len
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if _on_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        kwargs.update(engine_init_kwargs or {})
+        if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in kwargs:
             # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
             # instead lets several engines and the learner share the box.
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        kwargs.update(engine_init_kwargs or {})
+            wide = str(kwargs["dtype"]).removeprefix("torch.") in ("float32", "float")
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES * (2 if wide else 1)
         if kwargs["logprobs_mode"] != LOGPROBS_MODE:
             raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}: rollout logprobs must be "
                              f"{LOGPROBS_MODE!r} to equal the learner's log_softmax(logits/T)")
