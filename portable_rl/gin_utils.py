@@ -16,7 +16,8 @@ Bad input ends the program with one line naming the fix, no traceback: gin error
 unknown configurable, missing REQUIRED macro) and the library's user errors (`USER_ERRORS`: unknown
 engine / reward, missing or unreadable files, malformed dataset, tokenizer/model vocabulary mismatch,
 corrupt checkpoint, rejected weight push, an engine fleet the cluster cannot place, too many
-non-finite rollout logprobs). Set `PORTABLE_RL_TRACEBACK=1` to see the traceback instead.
+non-finite rollout logprobs, a sequence over the micro-batch token budget). Set `PORTABLE_RL_TRACEBACK=1`
+to see the traceback instead.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ USER_ERRORS = (
     ("portable_rl.tasks.math_dataset", "DatasetError"),
     ("portable_rl.rl.codec", "VocabularyMismatchError"),
     ("portable_rl.rl.rollout", "NonFiniteLogprobsError"),
+    ("portable_rl.rl.batching", "MicroBatchBudgetError"),
     ("portable_rl.learner_jax.checkpoint", "CheckpointError"),
 )
 

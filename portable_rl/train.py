@@ -82,7 +82,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     codec = TextCodec(model_path, chat_template=chat_template)
     reward_fn = get_reward(task.reward)
     model, model_config = load_hf_model(model_path, param_dtype=jnp.dtype(param_dtype),
-                                        compute_dtype=jnp.dtype(compute_dtype))
+                                        compute_dtype=jnp.dtype(compute_dtype), **memory.model_kwargs())
     tx = (optimizer_factory or make_optimizer)()
     if master_dtype and jnp.dtype(master_dtype) != jnp.dtype(param_dtype):
         # bf16 params + f32 master params in the optimizer state: small steps are kept, and the weight push

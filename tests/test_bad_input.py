@@ -17,6 +17,8 @@ The issue's checklist → tests (here unless a file is named):
                                  test_pack_rollouts_masks_nonfinite_logprobs
 - tokenizer vs model vocabulary: test_tokenizer_larger_than_model_vocab_is_rejected,
                                  test_cli_bad_input_ends_with_one_line[vocab]
+- a sequence over the micro-batch token budget: test_cli_bad_input_ends_with_one_line[budget],
+                                 tests/test_micro_batches.py::test_sequence_over_the_token_budget_is_a_one_line_error
 - corrupt / incomplete checkpoint on resume:
     no COMMITTED marker:         tests/test_checkpoint.py::test_partially_written_step_is_never_restored
     committed but damaged:       test_damaged_committed_checkpoint_names_directory_and_fix,
@@ -84,11 +86,15 @@ CLI_CASES = {
     "vocab": (["--gin.MODEL_PATH={grown}"], "token ids up to 138 (139 tokens) but the model's vocab_size is 128; "
                                             "point MODEL_PATH at a checkpoint"),
     "checkpoint": (["--gin.RUN_DIR={run}"], "{run}/checkpoints/4 cannot be restored"),
+    # (no dynamic sampling: the random model's groups all score 0 and would all be dropped before the learner)
+    "budget": (["--gin.train.max_tokens_per_micro_batch=4", "--gin.rl.DapoConfig.dynamic_sampling=False"],
+               "does not fit train.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
 }
 
 
 # These fail after the model is loaded (~30 s each on 2 busy cores); the others fail while gin builds the task.
-_AFTER_MODEL_LOAD = ("checkpoint", "engine", "vocab")
+_AFTER_MODEL_LOAD = ("budget", "checkpoint", "engine", "vocab")
+_AFTER_ENGINE_START = ("budget",)   # fails on the first step's rollouts
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _AFTER_MODEL_LOAD else c
@@ -105,6 +111,8 @@ def test_cli_bad_input_ends_with_one_line(case, cli_inputs, tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if case in _AFTER_ENGINE_START:  # the engine's own start-up log lines come first; the error is the last line
+        lines = lines[-1:]
     assert len(lines) == 1 and lines[0].startswith(("error: ", "gin config error: ")), lines
     assert expected.format(**fill) in lines[0]
     if case == "checkpoint":  # the damaged step is left as it was for the user to inspect; nothing was written

@@ -83,7 +83,8 @@ def test_micro_batches_give_the_one_call_update(aggregation, batch):
     assert prepared.metrics["batch/micro_batches"] >= 3 and one_call[2].metrics["batch/micro_batches"] == 1
     assert all(mb["input_ids"].shape == (1, 64) for mb in prepared.micro_batches[0])   # one shape, one compile
     keep, mask = prepared.keep_mask, batch["response_mask"]
-    assert 0 < (keep * mask).sum() < mask.sum() and not (keep * mask).any(axis=1).all()  # tokens AND a sequence rejected
+    # tokens AND a whole sequence rejected
+    assert 0 < (keep * mask).sum() < mask.sum() and not (keep * mask).any(axis=1).all()
     np.testing.assert_allclose(prepared.old_logprobs, one_call[2].old_logprobs, rtol=1e-5, atol=1e-6)
     assert_same_update(micro, one_call)
     for k, want in one_call[3].items():  # train/* combined over micro-batches: the one-call values

@@ -98,7 +98,8 @@ def test_layout_round_trip_between_view_and_rows():
     back = layout.to_view(rows["rollout_logprobs"], np.zeros_like(view["rollout_logprobs"]))
     np.testing.assert_array_equal(back, view["rollout_logprobs"])
     parts = batching.split_rows_of(layout, 1)
-    assert [p.shape for p in parts] == [(1, 12), (1, 12)] and sorted(np.concatenate([p.seq for p in parts])) == [0, 1, 2]
+    assert [p.shape for p in parts] == [(1, 12), (1, 12)]
+    assert sorted(np.concatenate([p.seq for p in parts])) == [0, 1, 2]
 
 
 def test_first_token_of_a_sequence_is_never_a_response_token():
@@ -107,6 +108,7 @@ def test_first_token_of_a_sequence_is_never_a_response_token():
     assert b["response_mask"].sum() == 2
 
 
+@pytest.mark.slow  # a model compiled per implementation (~15-30 s on 2 busy cores)
 @pytest.mark.parametrize("impl", ["dense", "blockwise"])
 def test_packed_row_logprobs_equal_one_sequence_per_row(impl):
     from portable_rl.learner_jax import attention

@@ -32,6 +32,7 @@ mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arr
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 
@@ -41,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from portable_rl import tis
-from portable_rl.learner_jax.logprobs import sequence_logprobs, token_logprobs
+from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.sharding import batch_shards, pad_rows, shard_batch, shard_model_and_optimizer, to_host
@@ -50,19 +51,15 @@ from portable_rl.rl import batching
 from portable_rl.rl.batching import MicroBatchBudgetError
 
 _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
-# policy_loss metrics that are means over the loss mask: combined over micro-batches weighted by tokens
+# policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
+# except these, combined as a max
 _MAX_METRICS = ("ratio_max",)
 
 
 def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
-    """(logp, entropy) [R, L] of rows that may pack several sequences (segment_ids / positions)."""
-    # TODO(model engineer): sequence_logprobs(..., segment_ids=, positions=, chunk_tokens=)
-    hidden = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"],
-                                 positions=batch["positions"])                       # [R, L, D]
-    logits = model.logits(hidden[:, :-1])                                            # [R, L-1, V]
-    logp, entropy = token_logprobs(logits, batch["input_ids"][:, 1:], temperature)   # [R, L-1]
-    pad = jnp.zeros_like(logp[:, :1])
-    return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
+    """(logp, entropy) [R, L] of rows that may pack several sequences (`segment_ids` / `positions`)."""
+    return sequence_logprobs(model, batch["input_ids"], None, temperature, segment_ids=batch["segment_ids"],
+                             positions=batch["positions"], chunk_tokens=chunk_tokens)
 
 
 def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
@@ -94,7 +91,7 @@ def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correctio
     host-side, in the token weights), so a second learner of the same model reuses the compilations."""
     loss_fn = make_loss_fn(settings, temperature, chunk_tokens)
     return dict(
-        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature)[0]),
+        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature, chunk_tokens=chunk_tokens)[0]),
         row_logprobs=nnx.jit(lambda m, b: row_logprobs(m, b, temperature, chunk_tokens)[0]),
         correct=jax.jit(functools.partial(tis.apply_rollout_correction, correction)),
         train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
@@ -156,7 +153,14 @@ class Learner:
         """Per mini-batch, the `batching.Layout`s of its micro-batches (all of one shape; module doc)."""
         rpm, mem, shards = self.cfg.rows_per_minibatch, self.memory, self.shards
         view_rows, view_len = batch["input_ids"].shape
+        if "seq_len" not in batch:
+            raise ValueError("the batch has no per-sequence index (seq_len, ...); build it with "
+                             "dapo.build_batch or batching.pack_rollouts")
         lengths = np.asarray(batch["seq_len"])                                        # [N]
+        one_per_row = (np.asarray(batch["seq_row"]) == np.arange(len(lengths))).all()
+        if not one_per_row or (np.asarray(batch["seq_start"]) != 0).any():
+            raise ValueError("Learner.correct takes the one-sequence-per-row view (pack_rollouts(pack=False), "
+                             "as dapo.build_batch makes it); the learner packs the micro-batches itself")
         budget = mem.max_tokens_per_micro_batch
         if budget is not None and lengths.size and lengths.max() > budget:
             raise MicroBatchBudgetError(
@@ -188,6 +192,11 @@ class Learner:
     def _device(self, arrays: dict) -> dict:
         return shard_batch(arrays, self.mesh) if self.mesh is not None else arrays
 
+    def _on_mesh(self):
+        """Context for the jitted calls: the mesh set (`jax.set_mesh`), so the model's
+        `sharding.constrain_batch_rows` keeps activations split by rows; nothing without a mesh."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------------------------ logprobs
     def logprobs(self, input_ids, attention_mask) -> np.ndarray:
         """[B, T] logprobs of the current policy at the rollout temperature (entry t: token t given < t),
@@ -198,7 +207,9 @@ class Learner:
         ways = self.shards
         batch = shard_batch({"input_ids": pad_rows(np.asarray(input_ids), ways),
                              "attention_mask": pad_rows(np.asarray(attention_mask), ways)}, self.mesh)
-        return to_host(self._logprobs(self.model, batch["input_ids"], batch["attention_mask"]))[:rows]
+        with self._on_mesh():
+            logp = self._logprobs(self.model, batch["input_ids"], batch["attention_mask"])
+        return to_host(logp)[:rows]
 
     def old_logprobs(self, batch: dict, layouts=None) -> np.ndarray:
         """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the
@@ -208,8 +219,9 @@ class Learner:
         old = np.zeros(batch["input_ids"].shape, np.float32)
         for layout in (lay for mini in layouts for lay in mini):
             rows = layout.arrays(view)
-            logp = self._row_logprobs(self.model, self._device(
-                {k: rows[k] for k in ("input_ids", "segment_ids", "positions")}))
+            with self._on_mesh():
+                logp = self._row_logprobs(self.model, self._device(
+                    {k: rows[k] for k in ("input_ids", "segment_ids", "positions")}))
             layout.to_view(to_host(logp), old)
         return old * batch["response_mask"]
 
@@ -255,15 +267,16 @@ class Learner:
             for micro in prepared.micro_batches:
                 if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue
-                if len(micro) == 1:
-                    parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
-                    applied = parts[0]
-                else:
-                    grads, parts = zero_grads(self.model), []
-                    for mb in micro:
-                        grads, m = self._grad_step(self.model, self._device(mb), grads)
-                        parts.append(m)
-                    applied = self._apply_step(self.model, self.optimizer, grads)
+                with self._on_mesh():
+                    if len(micro) == 1:
+                        parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
+                        applied = parts[0]
+                    else:
+                        grads, parts = zero_grads(self.model), []
+                        for mb in micro:
+                            grads, m = self._grad_step(self.model, self._device(mb), grads)
+                            parts.append(m)
+                        applied = self._apply_step(self.model, self.optimizer, grads)
                 parts = jax.device_get(parts)
                 update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
                 update.update({k: float(v) for k, v in jax.device_get(applied).items()
