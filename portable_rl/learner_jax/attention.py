@@ -53,6 +53,8 @@ over dense time (2026-12-01, AMD EPYC 2 cores, shared and loaded, so +-30 %):
     bf16    0.64   0.18   0.11
 
 so blockwise is faster than dense on CPU from T = 256 up (dense's [T, T] f32 temporaries dominate).
+Block skipping pays for packed rows: T = 2048, bf16, same shape, 8 segments of 256 per row 272 ms
+against one segment 1436 ms (24 block pairs against 136).
 
 cudnn. The installed jax's jax.nn.dot_product_attention (jax/_src/nn/functions.py,
 jax/_src/cudnn/fused_attention_stablehlo.py) expresses, with cuDNN: is_causal, per-row
