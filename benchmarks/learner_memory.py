@@ -15,7 +15,8 @@ included, into it):
 persistent state = params + optimizer state (+ the gradient accumulator on the micro-batch path); it is
 resident during every function, so it is counted once. `peak_memory_in_bytes` of this jax's
 CompiledMemoryStats is reported too (`xla_peak_memory_in_bytes`) but not used: on XLA:CPU it equals the
-argument bytes (temporaries are not in it).
+argument bytes (temporaries are not in it). Lowering runs under `jax.set_mesh(mesh)`, as `Learner` does, so
+the model's `sharding.constrain_batch_rows` keeps activations split by rows.
 
 Paths (`--path`):
     new   the memory-linear learner: blockwise attention, one packed row of --tokens_per_device tokens per
@@ -37,7 +38,9 @@ compiled function's numbers, the knobs, compile_seconds.
 
 Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
 assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early
-all-gathered weights are prefetched), so read the numbers as an estimate of the GPU peak, +-10-20 %.
+all-gathered weights are prefetched), and XLA:CPU upcasts some bf16 dots (f32 all-gathered weights, f32
+matmul outputs), so read the numbers as an upper-side estimate of the GPU peak. `--cpu_scheduler memory` switches XLA:CPU to its
+memory-minimising scheduler (lower at ~1k tokens per device, higher at 32k; docs/scaling.md).
 """
 
 from __future__ import annotations
