@@ -39,8 +39,9 @@ compiled function's numbers, the knobs, compile_seconds.
 Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
 assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early
 all-gathered weights are prefetched), and XLA:CPU upcasts some bf16 dots (f32 all-gathered weights, f32
-matmul outputs), so read the numbers as an upper-side estimate of the GPU peak. `--cpu_scheduler memory` switches XLA:CPU to its
-memory-minimising scheduler (lower at ~1k tokens per device, higher at 32k; docs/scaling.md).
+matmul outputs), so read the numbers as an upper-side estimate of the GPU peak. `--cpu_scheduler memory`
+switches XLA:CPU to its memory-minimising scheduler (lower at ~1k tokens per device, higher at 32k;
+docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -288,14 +289,16 @@ def main(argv=None):
     mesh = make_mesh(MeshConfig(fsdp=args.fsdp), devices=jax.devices()[:args.fsdp])
     paths = ("old", "new") if args.path == "both" else (args.path,)
     for path in paths:
-        with jax.set_mesh(mesh):  # the model pins its activations' rows to the mesh (sharding.constrain_batch_rows)
+        with jax.set_mesh(mesh):  # the model pins activations' rows to it (sharding.constrain_batch_rows)
             result = measure(path, config, mesh, args)
-        row = {"model": args.model, "layers": config.num_hidden_layers, "tokens_per_device": args.tokens_per_device,
-               "fsdp": args.fsdp, "path": path, **result, "jax": jax.__version__, "backend": jax.default_backend()}
+        row = {"model": args.model, "layers": config.num_hidden_layers,
+               "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp, "path": path, **result,
+               "jax": jax.__version__, "backend": jax.default_backend()}
         if args.json:
             print(json.dumps(row), flush=True)
         else:
-            print(f"{args.model} L={config.num_hidden_layers} {args.tokens_per_device} tokens/device fsdp={args.fsdp} "
+            print(f"{args.model} L={config.num_hidden_layers} {args.tokens_per_device} tokens/device "
+                  f"fsdp={args.fsdp} "
                   f"{path}: peak {row['peak_bytes_per_device'] / GB:.2f} GB/device ({row['peak_function']}: "
                   f"params {row['params_bytes'] / GB:.2f} + optimizer {row['optimizer_bytes'] / GB:.2f} + "
                   f"temp {row['temp_bytes'] / GB:.2f} GB), compile {row['compile_seconds']:.1f} s", flush=True)

@@ -17,12 +17,13 @@ from a lognormal, clipped to [16, 2048] tokens, seeded), one random untied Qwen2
 
 Same work: at the first update every policy equals the behaviour policy (the rollout logprobs are set
 to the learner's own logprobs, so TIS weights are 1), so the three gradients are the same gradient;
-their pre-clip norms must agree (fp32 1e-3, bf16 3e-2 relative) or the script exits non-zero.
+their pre-clip norms must agree with torch's (fp32 1e-3, bf16 3e-2 relative) or the script exits non-zero.
 dtypes: `fp32` = f32 params and compute; `bf16` = bf16 matmuls (ours: compute_dtype=bfloat16 with f32
 params; torch: `torch.autocast("cpu", torch.bfloat16)`). `--dtypes bf16,fp32` measures both per side and
 the ratio is best vs best. Each side runs in its own spawned process (XLA's and torch's thread pools never
 compete); the parent asks for one update at a time, alternating sides, so load on a shared box hits
-all of them alike; medians of `--reps` after one warm-up update.
+all of them alike; medians of `--reps` after one warm-up update. The sides of one dtype run together
+(alternating); dtypes run one after another (fewer processes in memory at once).
 
     python benchmarks/learner_throughput.py [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
 """
@@ -64,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="none", help="new path remat (CPU memory is not the limit here)")
     p.add_argument("--dtypes", default="bf16,fp32", help="comma list of fp32, bf16")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma list of {SIDES}")
+    p.add_argument("--arms", default=None,
+                   help="comma list of side:dtype (e.g. new:bf16,old:bf16,torch:bf16,torch:fp32); "
+                        "default: every side x every dtype")
     p.add_argument("--reps", type=int, default=3, help="timed updates per side (alternating)")
     p.add_argument("--torch_threads", type=int, default=os.cpu_count())
     p.add_argument("--workdir", default=None, help="where the checkpoint goes (reused if present)")
@@ -241,14 +245,22 @@ def run_all(arms: list[tuple[str, str]], ckpt: str, rollouts: dict, args) -> dic
 
 def main(argv=None):
     args = parse_args(argv)
-    dtypes, sides = args.dtypes.split(","), args.sides.split(",")
+    if args.arms:
+        arms = [tuple(a.split(":")) for a in args.arms.split(",")]
+        if any(len(a) != 2 or a[0] not in SIDES or a[1] not in GRAD_NORM_RTOL for a in arms):
+            sys.exit(f"--arms {args.arms!r}: use side:dtype pairs, sides {SIDES}, dtypes {sorted(GRAD_NORM_RTOL)}")
+    else:
+        arms = [(s, d) for d in args.dtypes.split(",") for s in args.sides.split(",")]
+    dtypes = list(dict.fromkeys(d for _, d in arms))
+    sides = list(dict.fromkeys(s for s, _ in arms))
     workdir = args.workdir or tempfile.mkdtemp(prefix="learner_throughput_")
     ckpt = random_qwen2_checkpoint(os.path.join(workdir, f"qwen2_{args.layers}x{args.hidden}_v{args.vocab}"), args)
     rollouts = make_rollouts(args)
     real_tokens = sum(args.prompt_tokens + n for n in rollouts["response_lengths"])
-    arms = [(s, d) for d in dtypes for s in sides]
     load_before = os.getloadavg()[0]
-    measured = run_all(arms, ckpt, rollouts, args)
+    measured = {}
+    for dtype in dtypes:  # one dtype's sides at a time (alternating among them): fewer processes in RAM
+        measured.update(run_all([a for a in arms if a[1] == dtype], ckpt, rollouts, args))
     load_after = os.getloadavg()[0]
 
     runs = []
@@ -257,16 +269,16 @@ def main(argv=None):
         runs.append({"side": side, "dtype": dtype, "update_s": median, "update_s_all": times,
                      "tokens_per_s": real_tokens / median, "first_update": first,
                      "padded_tokens": first["padded_tokens"], "micro_batches": first["micro_batches"]})
-    # Same work: per dtype, every side's first pre-clip gradient norm agrees with torch's (or new's).
+    # Same work: every arm's first pre-clip gradient norm agrees with the reference arm's (torch fp32 if
+    # measured, else the first torch arm, else the first arm), to the looser of the two dtypes' tolerances.
+    ref = next((r for r in runs if (r["side"], r["dtype"]) == ("torch", "fp32")),
+               next((r for r in runs if r["side"] == "torch"), runs[0]))
     same_work = True
-    for dtype in dtypes:
-        norms = {r["side"]: r["first_update"]["grad_norm"] for r in runs if r["dtype"] == dtype}
-        ref = norms.get("torch", norms.get("new"))
-        for r in runs:
-            if r["dtype"] == dtype:
-                r["grad_norm_rel_diff"] = abs(r["first_update"]["grad_norm"] - ref) / max(abs(ref), 1e-12)
-                r["same_work"] = r["grad_norm_rel_diff"] <= GRAD_NORM_RTOL[dtype]
-                same_work &= r["same_work"]
+    for r in runs:
+        ref_norm = ref["first_update"]["grad_norm"]
+        r["grad_norm_rel_diff"] = abs(r["first_update"]["grad_norm"] - ref_norm) / max(abs(ref_norm), 1e-12)
+        r["same_work"] = r["grad_norm_rel_diff"] <= max(GRAD_NORM_RTOL[r["dtype"]], GRAD_NORM_RTOL[ref["dtype"]])
+        same_work &= r["same_work"]
     best = {s: max((r for r in runs if r["side"] == s), key=lambda r: r["tokens_per_s"]) for s in sides}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_count": os.cpu_count(),
