@@ -10,17 +10,21 @@ no top-k / top-p truncation. Engines return exactly this when configured with
 
 Memory: the [tokens, V] float32 logits are the largest tensor of a learner step (V ~ 150k: 0.6 MB
 per token, forward, plus as much again for their gradient). `sequence_logprobs(..., chunk_tokens=C)`
-runs the head and `token_logprobs` over chunks of C tokens under `jax.checkpoint`, so at most one
-[C, V] chunk (and its gradient) exists at a time; the backward recomputes each chunk's logits
-(one more head matmul, ~1/3 of the head's cost). Same values and gradients as unchunked.
+runs the head and `token_logprobs` over chunks of ~C tokens per batch shard (cut along time, rows
+kept whole) under `jax.checkpoint`, so one chunk of logits (and its gradient) exists at a time; the
+backward recomputes each chunk's logits (one more head matmul, ~1/3 of the head's cost). Same values
+and gradients as unchunked.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+
+from portable_rl.learner_jax.sharding import LOGICAL_AXIS_RULES, constrain_batch_rows
 
 
 @jax.custom_vjp
@@ -64,35 +68,53 @@ def _check_chunk_tokens(chunk_tokens):
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive int, or None for no chunking")
 
 
-def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_tokens: int):
-    """`token_logprobs(head(hidden), targets, temperature)` without the whole [..., V] logits.
+def _row_shards(rows: int) -> int:
+    """How many ways the rows of a [rows, ...] batch are split over the mesh set with `jax.set_mesh`
+    (its "batch" axes, learner_jax/sharding.py); 1 without a mesh or when they do not divide `rows`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    batch_axes = dict(LOGICAL_AXIS_RULES)["batch"] or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    ways = math.prod(mesh.shape[a] for a in batch_axes if a in mesh.axis_names)
+    return ways if rows % ways == 0 else 1
 
-    hidden [B, T, D], targets [B, T] int -> (logp, entropy) [B, T] float32. The B*T tokens are
-    flattened, padded with zeros to a multiple of C = min(chunk_tokens, B*T) and mapped over in
-    chunks of C (`lax.map`); each chunk's `head` ([C, D] -> [C, V] f32 logits) and `token_logprobs`
-    run under `jax.checkpoint`, so the map's backward keeps only each chunk's [C, D] input and
-    recomputes its logits: one [C, V] chunk and its gradient at a time, forward and backward. The
-    head's weight gradient is summed over chunks in float32 by the map's backward.
+
+def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_tokens: int):
+    """`token_logprobs(head(hidden), targets, temperature)` without the whole [B, T, V] logits.
+
+    hidden [B, T, D], targets [B, T] int -> (logp, entropy) [B, T] float32. The time axis is cut
+    into n chunks of S steps (T padded with zeros to n * S) and `lax.map` runs over them; a chunk
+    is [B, S] tokens, S = max(1, chunk_tokens // rows per batch shard), so each device holds at
+    most max(chunk_tokens, its rows) tokens of a chunk. Rows stay the leading (sharded) axis of a
+    chunk, so a row-split batch is never gathered. Each chunk's `head` ([B, S, D] -> [B, S, V] f32)
+    and `token_logprobs` run under `jax.checkpoint`: the map's backward keeps only the chunk's
+    [B, S, D] input and recomputes its logits, so one chunk of logits and its gradient exist at a
+    time, forward and backward. The head's weight gradient is summed over chunks (float32 for
+    float32 params) by the map's backward.
     """
     _check_chunk_tokens(chunk_tokens)
     B, T, D = hidden.shape
-    tokens = B * T
-    size = min(chunk_tokens, tokens)
-    num_chunks = -(-tokens // size)
-    pad = num_chunks * size - tokens
-    hidden = jnp.pad(hidden.reshape(tokens, D), ((0, pad), (0, 0))).reshape(num_chunks, size, D)
-    targets = jnp.pad(targets.reshape(tokens), (0, pad)).reshape(num_chunks, size)
+    rows_per_shard = B // _row_shards(B)
+    steps = max(1, min(T, chunk_tokens // rows_per_shard))                 # S
+    num_chunks = -(-T // steps)                                           # n
+    pad = num_chunks * steps - T
+
+    def chunked(x):  # [B, T, ...] -> [n, B, S, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x.reshape(B, num_chunks, steps, *x.shape[2:]), 0, 1)
 
     # Inside a loop body the loop itself keeps the recomputation apart from the forward pass, so
     # no CSE barriers are needed (prevent_cse=False, as jax.checkpoint's docs advise for scan).
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one_chunk(chunk):                        # ([C, D], [C]) -> ([C], [C])
+    def one_chunk(chunk):                        # ([B, S, D], [B, S]) -> ([B, S], [B, S])
         hidden_c, targets_c = chunk
-        return token_logprobs(head(hidden_c), targets_c, temperature)   # head: [C, V] f32
+        logits = head(constrain_batch_rows(hidden_c))                     # [B, S, V] f32
+        return token_logprobs(logits, targets_c, temperature)
 
-    logp, entropy = jax.lax.map(one_chunk, (hidden, targets))            # [num_chunks, C] each
-    unpad = lambda x: x.reshape(num_chunks * size)[:tokens].reshape(B, T)
-    return unpad(logp), unpad(entropy)
+    logp, entropy = jax.lax.map(one_chunk, (chunked(hidden), chunked(targets)))   # [n, B, S] each
+    unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(B, num_chunks * steps)[:, :T]
+    return unchunk(logp), unchunk(entropy)
 
 
 def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float = 1.0, *,
