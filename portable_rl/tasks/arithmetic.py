@@ -13,7 +13,7 @@ import operator
 
 import numpy as np
 
-from portable_rl.tasks.base import Example
+from portable_rl.tasks.base import Example, GeneratedTask
 from portable_rl.tasks.rewards import get_reward
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -21,7 +21,7 @@ _EVAL_STREAM = 2**31 - 1  # rng stream id for the held-out set (train streams us
 
 
 @dataclasses.dataclass
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     num_digits: int = 2
     ops: str = "+"
     seed: int = 0
@@ -40,32 +40,10 @@ class ArithmeticTask:
         if self.num_eval > space // 4:
             raise ValueError(f"num_eval={self.num_eval} is too large for {space} distinct problems; "
                              f"lower num_eval or raise num_digits")
-        self._eval = self._draw_unique(np.random.default_rng([self.seed, _EVAL_STREAM]), self.num_eval, set())
-        self._held_out = {(e.prompt) for e in self._eval}
+        self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
-    def _triple(self, rng: np.random.Generator) -> Example:
+    def _problem(self, rng: np.random.Generator) -> Example:
         hi = 10 ** self.num_digits
         a, b = (int(x) for x in rng.integers(0, hi, size=2))
         op = self.ops[int(rng.integers(0, len(self.ops)))]
         return Example(prompt=f"{a}{op}{b}=", answer=str(_OPS[op](a, b)))
-
-    def _draw_unique(self, rng, count, exclude) -> list[Example]:
-        out, seen = [], set(exclude)
-        while len(out) < count:
-            ex = self._triple(rng)
-            if ex.prompt not in seen:
-                seen.add(ex.prompt)
-                out.append(ex)
-        return out
-
-    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
-        rng = np.random.default_rng([self.seed, step, draw])
-        out = []
-        while len(out) < batch_size:  # duplicates inside a batch are fine; held-out problems are not
-            ex = self._triple(rng)
-            if ex.prompt not in self._held_out:
-                out.append(ex)
-        return out
-
-    def eval_examples(self) -> list[Example]:
-        return list(self._eval)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -24,6 +26,36 @@ class Task(Protocol):
     def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]: ...
 
     def eval_examples(self) -> Sequence[Example]: ...
+
+
+class GeneratedTask:
+    """Train / held-out plumbing for tasks that generate problems with `self._problem(rng) -> Example`.
+
+    The held-out set is `count` distinct problems drawn from the stream `[seed, eval_stream]`; training
+    batch (step, draw) comes from `np.random.default_rng([seed, step, draw])` and skips held-out prompts
+    (duplicates inside a batch are fine)."""
+
+    def _init_held_out(self, seed: int, eval_stream: int, count: int) -> None:
+        rng = np.random.default_rng([seed, eval_stream])
+        self._eval, seen = [], set()
+        while len(self._eval) < count:
+            ex = self._problem(rng)
+            if ex.prompt not in seen:
+                seen.add(ex.prompt)
+                self._eval.append(ex)
+        self._held_out = seen
+
+    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
+        rng = np.random.default_rng([self.seed, step, draw])
+        out = []
+        while len(out) < batch_size:
+            ex = self._problem(rng)
+            if ex.prompt not in self._held_out:
+                out.append(ex)
+        return out
+
+    def eval_examples(self) -> list[Example]:
+        return list(self._eval)
 
 
 def data_metrics(task) -> dict[str, int]:

@@ -27,7 +27,7 @@ import re
 
 import numpy as np
 
-from portable_rl.tasks.base import Example
+from portable_rl.tasks.base import Example, GeneratedTask
 from portable_rl.tasks.rewards import get_reward, register_reward
 
 _EVAL_STREAM = 2**31 - 2  # rng stream id of the held-out set (train streams use step >= 0)
@@ -91,7 +91,7 @@ _SCENES = (
 
 
 @dataclasses.dataclass
-class WordProblemsTask:
+class WordProblemsTask(GeneratedTask):
     min_ops: int = 2                 # changes per problem, drawn uniformly in [min_ops, max_ops]
     max_ops: int = 3
     max_start: int = 30              # q_0 ∈ [5, max_start]
@@ -114,8 +114,7 @@ class WordProblemsTask:
             raise ValueError(f"max_amount={self.max_amount} must be >= 1")
         if self.num_eval < 0:
             raise ValueError(f"num_eval={self.num_eval} must be >= 0")
-        self._eval = self._draw_unique(np.random.default_rng([self.seed, _EVAL_STREAM]), self.num_eval)
-        self._held_out = {e.prompt for e in self._eval}
+        self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:
         def pick(options):
@@ -146,27 +145,6 @@ class WordProblemsTask:
             sentences.append(sentence[0].upper() + sentence[1:] + ".")
         sentences.append(scene.question.format(**fields))
         return Example(prompt=" ".join(sentences) + "\n" + self.instruction, answer=str(total))
-
-    def _draw_unique(self, rng, count) -> list[Example]:
-        out, seen = [], set()
-        while len(out) < count:
-            ex = self._problem(rng)
-            if ex.prompt not in seen:
-                seen.add(ex.prompt)
-                out.append(ex)
-        return out
-
-    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
-        rng = np.random.default_rng([self.seed, step, draw])
-        out = []
-        while len(out) < batch_size:  # duplicates inside a batch are fine; held-out problems are not
-            ex = self._problem(rng)
-            if ex.prompt not in self._held_out:
-                out.append(ex)
-        return out
-
-    def eval_examples(self) -> list[Example]:
-        return list(self._eval)
 
 
 # A number: "1,234" (thousands separators), "14", "14.5", "-3" (sign only when attached).
