@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from portable_rl.tis import (divergence_mask, divergence_statistic, geometric_sequence_mask,
-                             icepop_token_mask, outlier_veto_mask, product_sequence_mask)
+                             icepop_token_mask, k1_bounds_from_verl, outlier_veto_mask, product_sequence_mask)
 
 RHO = np.array([[3.0, 0.5, 1.0, 7.0],
                 [0.25, 1.5, 9.0, 9.0],
@@ -93,3 +93,39 @@ def test_inverted_bounds_raise(call):
 def test_unknown_aggregation_raises():
     with pytest.raises(ValueError, match="aggregation"):
         divergence_mask(LR, MASK, "k3", "seq_median", high=1.0)
+
+
+def test_verl_k1_threshold_a_b_keeps_ratios_in_one_over_b_to_one_over_a():
+    """verl (≥ 0.7) keeps log a ≤ mean_t(−log ρ_t) ≤ log b for rollout_rs=seq_mean_k1, "a_b" (issue 15 item 9)."""
+    rng = np.random.default_rng(0)
+    lr = rng.normal(0.0, 0.4, (64, 6)).astype(np.float32)
+    mask = (rng.random((64, 6)) < 0.8).astype(np.float32)
+    mask[:, 0] = 1
+    a, b = 0.8, 1.5                               # asymmetric, so [a, b] and [1/b, 1/a] differ
+    k1_mean = -(lr * mask).sum(-1) / mask.sum(-1)  # verl's statistic, restated
+    verl_keep = (k1_mean >= np.log(a)) & (k1_mean <= np.log(b))
+    assert 0 < verl_keep.sum() < 64
+    low, high = k1_bounds_from_verl(f"{a}_{b}")
+    assert (low, high) == (pytest.approx(np.log(a)), pytest.approx(np.log(b)))
+    expected = verl_keep[:, None] * mask
+    eq(divergence_mask(lr, mask, "k1", "seq_mean", low, high), expected)
+    eq(geometric_sequence_mask(lr, mask, low=1 / b, high=1 / a), expected)   # the same test in ratio units
+    assert not np.array_equal(np.asarray(geometric_sequence_mask(lr, mask, low=a, high=b)), expected)
+    assert k1_bounds_from_verl(2.0) == (pytest.approx(-np.log(2.0)), pytest.approx(np.log(2.0)))  # a = 1/b
+    with pytest.raises(ValueError, match="must be > 0"):
+        k1_bounds_from_verl("0_2")
+    with pytest.raises(ValueError, match="lower bound"):
+        k1_bounds_from_verl("2_0.5")
+
+
+def test_ratio_bounds_beyond_the_exp_clamp_still_bind():
+    """Bounds outside [e^-20, e^20] are compared in log space, not against a ratio clamped there (item 12)."""
+    lr = np.array([[-30.0, 0.0], [0.0, 0.0], [25.0, 0.0], [15.0, 15.0]], np.float32)
+    mask = np.ones_like(lr)
+    eq(outlier_veto_mask(lr, mask, low=1e-10), [[0, 0], [1, 1], [1, 1], [1, 1]])        # ρ = e^-30 < 1e-10
+    eq(icepop_token_mask(lr, mask, low=None, high=1e10), [[1, 1], [1, 1], [0, 1], [1, 1]])  # ρ = e^25 > 1e10
+    eq(icepop_token_mask(lr, mask, low=1e-10, high=None), [[0, 1], [1, 1], [1, 1], [1, 1]])
+    eq(product_sequence_mask(lr, mask, high=1e10), [[1, 1], [1, 1], [0, 0], [0, 0]])    # Π ρ = e^25, e^30
+    eq(geometric_sequence_mask(lr, mask, low=1e-12), [[1, 1], [1, 1], [1, 1], [1, 1]])   # e^-15 ≥ 1e-12
+    eq(geometric_sequence_mask(lr, mask, low=1e-6), [[0, 0], [1, 1], [1, 1], [1, 1]])
+    eq(outlier_veto_mask(lr, mask, low=0.0, high=np.inf), np.ones_like(lr))               # 0 and ∞ never bind

@@ -88,3 +88,20 @@ def test_empty_mask_gives_finite_zeros():
     m = mismatch_metrics(A, B, np.zeros_like(MASK))
     assert all(np.isfinite(float(v)) for v in m.values())
     assert float(m["kl"]) == 0.0 and float(m["valid_tokens"]) == 0.0
+
+
+def test_ess_clamped_is_verls_ess_on_rho_clamped_to_inverse_clip_and_clip():
+    """`ess` uses the raw ρ; `ess_clamped` verl ≤ 0.7.1's ρ clamped to [1/C, C] (issue 15 item 13)."""
+    rho = np.array([2.0, 0.5, 1.0])
+    for clip in (1.5, 3.0):
+        clamped = np.clip(rho, 1 / clip, clip)
+        verl = 1.0 / ((clamped / clamped.mean()) ** 2).mean()   # verl's formula, restated
+        assert math.isclose(metric(clip=clip)["ess_clamped"], verl, rel_tol=1e-5)
+    assert metric(clip=1.5)["ess_clamped"] > metric(clip=1.5)["ess"]   # clamping only evens the weights out
+    assert math.isclose(metric(clip=None)["ess_clamped"], metric(clip=None)["ess"], rel_tol=1e-6)
+
+
+def test_clip_fractions_count_ratios_beyond_the_exp_clamp():
+    a = np.array([[25.0, 0.0, -25.0]], np.float32)
+    m = {k: float(v) for k, v in mismatch_metrics(a, np.zeros_like(a), np.ones_like(a), clip=1e10).items()}
+    assert m["rho_frac_above_clip"] == m["rho_frac_below_inv_clip"] == 1 / np.float32(3)

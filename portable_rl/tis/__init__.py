@@ -8,7 +8,8 @@ float32 (bf16 inputs are upcast), and never let padding influence any output.
 from portable_rl.tis.config import PRESETS, RolloutCorrectionConfig, from_preset
 from portable_rl.tis.correction import apply_rollout_correction
 from portable_rl.tis.masks import (divergence_mask, divergence_statistic, geometric_sequence_mask,
-                                   icepop_token_mask, outlier_veto_mask, product_sequence_mask)
+                                   icepop_token_mask, k1_bounds_from_verl, outlier_veto_mask,
+                                   product_sequence_mask)
 from portable_rl.tis.metrics import mismatch_metrics
 from portable_rl.tis.ratios import SAFETY_BOUND, log_ratio
 from portable_rl.tis.weights import (geometric_sequence_weights, self_normalize,
@@ -17,7 +18,7 @@ from portable_rl.tis.weights import (geometric_sequence_weights, self_normalize,
 __all__ = [
     "PRESETS", "RolloutCorrectionConfig", "SAFETY_BOUND", "apply_rollout_correction",
     "divergence_mask", "divergence_statistic", "from_preset", "geometric_sequence_mask",
-    "geometric_sequence_weights", "icepop_token_mask", "log_ratio", "mismatch_metrics",
-    "outlier_veto_mask", "product_sequence_mask", "self_normalize", "sequence_tis_weights",
-    "token_tis_weights",
+    "geometric_sequence_weights", "icepop_token_mask", "k1_bounds_from_verl", "log_ratio",
+    "mismatch_metrics", "outlier_veto_mask", "product_sequence_mask", "self_normalize",
+    "sequence_tis_weights", "token_tis_weights",
 ]

@@ -13,9 +13,12 @@ over sequences with at least one valid token, plain "mean" over all valid tokens
     ppl_ratio                mean_seq exp(d)                  (training ppl / rollout ppl per sequence)
     chi2_token               mean(ρ²) − 1
     chi2_seq                 mean_seq(exp(2 Σ_t log ρ_t)) − 1
-    ess                      mean(ρ)² / mean(ρ²)              normalised effective sample size in (0, 1]
+    ess                      mean(ρ)² / mean(ρ²)              normalised effective sample size in (0, 1], raw ρ
+    ess_clamped              the same on ρ clamped to [1/C, C]  verl ≤ 0.7.1's rollout_is_eff_sample_size
+                                                              (token level); C = clip (None: = ess)
     rho_mean/_std/_min/_max  statistics of ρ_t
     rho_frac_above_clip      fraction with ρ_t > C;   rho_frac_below_inv_clip: fraction with ρ_t < 1/C
+                             (both decided in log space on the unclamped log ρ, so any C counts right)
     prob_abs_diff_mean/_max  mean / max of |p_train − p_rollout|
     prob_pearson             Pearson correlation of p_train and p_rollout (1 if both are identical
                              constants, 0 if only one has zero variance)
@@ -26,6 +29,8 @@ ppl_ratio = 1. Names follow verl's `rollout_corr/*` metrics; prefix them when lo
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -42,14 +47,18 @@ def _pearson(x, y, mask):
     return jnp.where(denom > 0, cov / jnp.where(denom > 0, denom, 1.0), jnp.where(identical, 1.0, 0.0))
 
 
-def mismatch_metrics(train_logprobs, rollout_logprobs, response_mask, *, clip: float = 2.0) -> dict:
+def mismatch_metrics(train_logprobs, rollout_logprobs, response_mask, *, clip: float | None = 2.0) -> dict:
     """Diagnostics of π_train vs π_rollout on `[B, T]` logprobs; see the module docstring for keys."""
+    if clip is not None and not clip > 0:
+        raise ValueError(f"mismatch_metrics clip must be > 0 (or None for no cap), got {clip}")
     mask = as_mask(response_mask)  # [B, T]
     has_tokens = mask.any(axis=-1)  # [B]
     a = jnp.where(mask, jnp.asarray(train_logprobs, jnp.float32), 0.0)
     b = jnp.where(mask, jnp.asarray(rollout_logprobs, jnp.float32), 0.0)
     log_rho = jnp.clip(a - b, -SAFETY_BOUND, SAFETY_BOUND)  # [B, T]
     rho = jnp.exp(log_rho)
+    log_clip = math.log(clip) if clip is not None and clip < math.inf else math.inf
+    rho_clamped = jnp.clip(rho, math.exp(-log_clip), math.exp(log_clip)) if log_clip < math.inf else rho
 
     train_log_ppl = -seq_mean(a, mask)  # [B]
     rollout_log_ppl = -seq_mean(b, mask)
@@ -74,12 +83,14 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, response_mask, *, clip: f
         "chi2_token": mean_rho_sq - 1.0,
         "chi2_seq": masked_mean(jnp.exp(2.0 * seq_log_rho), has_tokens) - 1.0,
         "ess": jnp.square(mean_rho) / jnp.maximum(mean_rho_sq, 1e-30),
+        "ess_clamped": jnp.square(masked_mean(rho_clamped, mask))
+                       / jnp.maximum(masked_mean(jnp.square(rho_clamped), mask), 1e-30),
         "rho_mean": mean_rho,
         "rho_std": masked_std(rho, mask),
         "rho_min": masked_min(rho, mask),
         "rho_max": masked_max(rho, mask),
-        "rho_frac_above_clip": masked_mean((rho > clip).astype(jnp.float32), mask),
-        "rho_frac_below_inv_clip": masked_mean((rho < 1.0 / clip).astype(jnp.float32), mask),
+        "rho_frac_above_clip": masked_mean((a - b > log_clip).astype(jnp.float32), mask),
+        "rho_frac_below_inv_clip": masked_mean((a - b < -log_clip).astype(jnp.float32), mask),
         "prob_abs_diff_mean": masked_mean(abs_dp, mask),
         "prob_abs_diff_max": masked_max(abs_dp, mask),
         "prob_pearson": _pearson(p_train, p_rollout, mask),
