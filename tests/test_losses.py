@@ -66,6 +66,21 @@ def test_aggregations_by_hand():
         aggregate_loss(loss, mask, "token-sum")
 
 
+def test_token_sum_norm_is_verl_0_6_seq_mean_token_sum_norm():
+    """verl ≤ 0.6.1's `seq-mean-token-sum-norm` is Σ_b Σ_t m·l / L (no batch term); ours divides by B·L too."""
+    rng = np.random.default_rng(1)
+    loss = rng.standard_normal((6, 5)).astype(np.float32)
+    mask = (rng.random((6, 5)) < 0.7).astype(np.float32)
+    verl_06 = (loss * mask).sum(-1).sum() / mask.shape[-1]     # verl 0.6.1 agg_loss, restated
+    assert float(aggregate_loss(loss, mask, "token-sum-norm")) == pytest.approx(verl_06, rel=1e-6)
+    assert float(aggregate_loss(loss, mask, "token-sum-norm", norm_constant=8)) == pytest.approx(
+        verl_06 * 5 / 8, rel=1e-6)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-sum-norm")) == pytest.approx(verl_06 / 6, rel=1e-6)
+    got, _ = policy_loss(NEW, OLD, ADV, MASK, aggregation="token-sum-norm")
+    per_token, _ = policy_loss(NEW, OLD, ADV, MASK, aggregation="seq-mean-token-sum-norm")
+    assert float(got) == pytest.approx(float(per_token) * MASK.shape[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_token_weights_reproduce_every_aggregation(aggregation):
     """Σ w·l with w = loss_token_weights(mask) equals aggregate_loss, per row or over packed sequence ids."""

@@ -1,4 +1,4 @@
-"""Clip-higher PPO policy loss (DAPO / GRPO) with rollout correction and four aggregation modes.
+"""Clip-higher PPO policy loss (DAPO / GRPO) with rollout correction and five aggregation modes.
 
 Per token t of a response, with advantage A (per sequence or per token) and
 r_t = exp(log π_θ(y_t) − log π_old(y_t))  (log difference clamped to ±20 before the exp):
@@ -20,7 +20,9 @@ Aggregation of l_t over the response mask m (B sequences, T positions):
     seq-mean-token-sum       mean_b Σ_t m l           (over sequences with ≥ 1 token)
     seq-mean-token-mean      mean_b (Σ_t m l / Σ_t m) (over sequences with ≥ 1 token)   (GRPO)
     seq-mean-token-sum-norm  Σ_bt m l / (B · L)       L = norm_constant, default T; keep L fixed
-                             across steps (e.g. the max response length)            (Dr. GRPO)
+                             across steps (e.g. the max response length)
+                             (Dr. GRPO; SkyRL's definition, and verl ≥ 0.7's with global_batch_size = B)
+    token-sum-norm           Σ_bt m l / L             verl ≤ 0.6.1's seq-mean-token-sum-norm (no B)
 
 Rejected tokens (a `keep_mask` from the correction) belong in `response_mask`: pass
 `response_mask * keep_mask` so they also leave the denominators.
@@ -32,6 +34,7 @@ Every aggregation is a weighted token sum, loss = Σ_t w_t l_t, with weights fix
     seq-mean-token-sum       w = 1 / N_seq                N_seq = sequences with ≥ 1 token
     seq-mean-token-mean      w = 1 / (N_seq · len_s)
     seq-mean-token-sum-norm  w = 1 / (N · L)              N = all sequences (a constant), L = norm_constant
+    token-sum-norm           w = 1 / L
 
 So a mini-batch split into micro-batches gets the exact mini-batch loss and gradient by summing the
 micro-batches' Σ w l with weights computed once from the whole mini-batch (`policy_loss(...,
@@ -47,7 +50,8 @@ import numpy as np
 from portable_rl.tis.ratios import SAFETY_BOUND as _LOG_RATIO_BOUND
 from portable_rl.tis.ratios import masked_max, masked_mean as _masked_mean
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                "token-sum-norm")
 MODES = ("decoupled", "bypass")
 
 
@@ -63,9 +67,11 @@ def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm
         return _masked_mean(loss_bt.sum(axis=-1), has_tokens)
     if aggregation == "seq-mean-token-mean":
         return _masked_mean(loss_bt.sum(axis=-1) / jnp.maximum(tokens_per_seq, 1.0), has_tokens)
+    norm = loss_bt.shape[-1] if norm_constant is None else norm_constant
     if aggregation == "seq-mean-token-sum-norm":
-        norm = loss_bt.shape[-1] if norm_constant is None else norm_constant
         return loss_bt.sum() / (loss_bt.shape[0] * norm)
+    if aggregation == "token-sum-norm":
+        return loss_bt.sum() / norm
     raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
 
 
@@ -93,8 +99,9 @@ def loss_token_weights(response_mask, aggregation: str = "token-mean", norm_cons
     elif aggregation == "seq-mean-token-mean":
         w = 1.0 / (max(n_seq, 1) * np.maximum(tokens_per_seq, 1)[np.maximum(ids, 0)])
     else:
-        n = mask.shape[0] if num_sequences is None else num_sequences
-        w = np.full(mask.shape, 1.0 / (n * (mask.shape[-1] if norm_constant is None else norm_constant)))
+        norm = mask.shape[-1] if norm_constant is None else norm_constant
+        n = 1 if aggregation == "token-sum-norm" else mask.shape[0] if num_sequences is None else num_sequences
+        w = np.full(mask.shape, 1.0 / (n * norm))
     return np.where(mask, w, 0.0).astype(np.float32)
 
 
