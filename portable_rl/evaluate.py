@@ -84,7 +84,7 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
         engine.close()
     report = {"checkpoint": str(checkpoint), "step": restored_step, "base_model": str(base),
               "task": getattr(task, "name", type(task).__name__), "temperature": temperature,
-              "engine": type(engine).__name__, "quantization": getattr(engine, "quantization", None),
+              "engine": type(engine).__name__, "quantization": engine.quantization,
               "seconds": time.perf_counter() - t0, **summary, "samples": records}
     if report_path is None:
         where = checkpoint if orbax_dir is not None else Path.cwd()

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import importlib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "oot_engine"
 
 class _Echo(EngineAdapter):
     """Repeats the prompt's last token; logprob 0 (a deterministic engine)."""
+
+    quantization = None
 
     def __init__(self, *, repeat=2):
         self.repeat = repeat
@@ -67,6 +70,24 @@ def test_unknown_engine_lists_known_ones():
     message = str(info.value)
     assert "no_such_engine" in message and "vllm" in message and "sglang" in message
     assert "portable_rl.engines" in message  # tells how to register one
+
+
+def test_adapter_without_quantization_gets_none_and_a_warning(clean_registry):
+    """`quantization` joined the contract after out-of-tree adapters existed: they keep working for a release."""
+    class Legacy(_Echo):
+        pass
+
+    del _Echo.quantization  # the class as it was written before the contract named `quantization`
+    try:
+        register("legacy_test")(Legacy)
+        with pytest.warns(FutureWarning, match="does not report `quantization`"):
+            engine = create_engine("legacy_test")
+        assert engine.quantization is None
+    finally:
+        _Echo.quantization = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an adapter that reports it gets no warning
+        assert create_engine("legacy_test").quantization is None  # inherited from _Echo again
 
 
 def test_factory_must_build_an_adapter(clean_registry):

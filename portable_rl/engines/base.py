@@ -12,6 +12,17 @@ i.e. the log-probability of the sampled token under the full-vocabulary tempered
 sampled from. Top-k / top-p truncation would change that distribution, so `SamplingConfig` rejects them
 unless `allow_truncated_sampling=True` is set explicitly (then logprobs are those of the truncated,
 renormalised distribution and no longer match the learner's).
+
+Seeds. Sample j of prompt i in a batch gets the seed
+
+    seed_ij = seed + i·n + j                                    (`SamplingConfig.seed_for(i, j)`)
+
+so a prompt's samples do not depend on what else is in the batch, and a shard of the batch starting at
+prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies on this).
+
+Quantization. Every adapter reports `quantization`: None when it serves the pushed weights in their own
+dtype (bf16), else the name of the scheme it serves (e.g. "fp8_per_channel", "fp8_blockwise",
+"fake_mxfp4"). The post-sync probe judges a quantized engine by its report, not by the bf16 bound.
 """
 
 from __future__ import annotations
@@ -51,6 +62,12 @@ class SamplingConfig:
                 f"top_p={self.top_p}, top_k={self.top_k}: truncated sampling makes rollout logprobs those of "
                 "the truncated distribution, which no longer match the learner's log_softmax(logits/T); "
                 "use top_p=1.0, top_k=-1, or set allow_truncated_sampling=True if you accept the mismatch")
+
+    def seed_for(self, prompt_index: int, sample_index: int = 0) -> int | None:
+        """The seed of sample `sample_index` of prompt `prompt_index`: seed + i·n + j (None: unseeded)."""
+        if self.seed is None:
+            return None
+        return self.seed + prompt_index * self.n + sample_index
 
 
 @dataclasses.dataclass
@@ -101,7 +118,14 @@ def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 class EngineAdapter(abc.ABC):
-    """A rollout engine. Subclasses implement `generate`, `update_weights`, `close`."""
+    """A rollout engine. Subclasses implement `generate`, `update_weights`, `close`, and set `quantization`.
+
+    `quantization` (str | None) is part of the contract (module doc): None for an engine serving the pushed
+    weights unquantized, else the scheme's name. `registry.create_engine` fills in None, with a warning, for
+    an out-of-tree adapter that predates it.
+    """
+
+    quantization: str | None  # set by every adapter (class attribute, property or in __init__)
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:

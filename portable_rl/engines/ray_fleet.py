@@ -7,8 +7,9 @@ Each engine is a Ray actor (`EngineHost`) that builds its adapter with `registry
 so in-tree and out-of-tree adapters work alike. The driver (the trainer) never imports vLLM.
 
 Rollouts. `generate` splits the batch into contiguous shards, one per engine, and concatenates the results
-in prompt-major order with global `prompt_index`. Seeds: the in-tree adapters give prompt i of a batch the
-seeds `seed + i*n ... seed + i*n + n-1`, so shard k, starting at prompt s_k, is sent `seed + s_k*n`: every
+in prompt-major order with global `prompt_index`. Seeds: adapters give prompt i of a batch the seeds
+`SamplingConfig.seed_for(i, j)` = `seed + i*n + j`, so shard k, starting at prompt s_k, is sent
+`seed_for(s_k)` = `seed + s_k*n`: every
 prompt gets the seeds it would get from one engine holding the whole batch, and the fleet's output does
 not depend on the number of engines (up to batch-composition effects on the logits; measured equal in
 tests/test_engines_ray.py).
@@ -58,7 +59,7 @@ def shard_sampling(sampling: SamplingConfig, start: int) -> SamplingConfig:
     """The sampling config for a shard starting at global prompt `start` (seed offset start·n)."""
     if sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + start * sampling.n)
+    return dataclasses.replace(sampling, seed=sampling.seed_for(start))
 
 
 def pack_bucket(pairs) -> list[tuple[str, str, tuple[int, ...], Any]]:
@@ -99,8 +100,8 @@ class EngineHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def attribute(self, name: str):
-        return getattr(self.engine, name, None)
+    def quantization(self) -> str | None:
+        return self.engine.quantization
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Rollout]:
         return self.engine.generate(prompts, sampling)
@@ -125,7 +126,10 @@ class EngineHost:
 
 @register("ray_fleet")
 class RayEngineFleet(EngineAdapter):
-    """`num_engines` Ray actors running `engine` with `engine_kwargs`; see the module docstring."""
+    """`num_engines` Ray actors running `engine` with `engine_kwargs`; see the module docstring.
+
+    `quantization` is engine 0's report (all engines run the same adapter and arguments).
+    """
 
     def __init__(self, *, engine: str = "vllm", engine_kwargs: dict[str, Any] | None = None,
                  model_path: str | None = None, num_engines: int = 1,
@@ -161,7 +165,7 @@ class RayEngineFleet(EngineAdapter):
         try:
             self._actors = [self._spawn() for _ in range(num_engines)]
             self._wait_started(self._actors)  # engines start in parallel
-            self.quantization = ray.get(self._actors[0].attribute.remote("quantization"))
+            self.quantization = ray.get(self._actors[0].quantization.remote())  # the engines' own report
         except BaseException:
             self.close()
             raise

@@ -15,6 +15,12 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
+CUDA graphs. `enforce_eager=None` (the default, gin `ENFORCE_EAGER`) runs eagerly on CPU and leaves vLLM's own
+default on GPU (False: CUDA graphs captured, the fast decode path); True / False force it either way.
+
+`quantization` reports what vLLM resolved (`model_config.quantization`): the `quantization` argument, or
+the method of a pre-quantized checkpoint; None for bf16.
+
 Several in-process engines may live in one process (vLLM keeps process-global parallel state; `close()` tears
 it down only with the last one).
 
@@ -34,14 +40,14 @@ is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the
 from __future__ import annotations
 
 import gc
-import json
 import os
-import struct
 import sys
 from typing import Any, Sequence
 
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
                                       flatten_named_tensors)
+from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
+                                            read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.registry import register
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
@@ -81,6 +87,16 @@ def cpu_engine_dtype(flags: set[str] | None = None, quantization: str | None = N
     return "float32", f"CPU lacks {' and '.join(FAST_BF16_CPU_FLAGS)} (bf16 GEMMs would run in software)"
 
 
+def resolve_enforce_eager(enforce_eager: bool | None, on_cpu: bool) -> bool | None:
+    """None → eager on CPU (vLLM-CPU's compiled path buys nothing here), vLLM's own default on GPU (CUDA graphs).
+
+    Returns the value to pass as `vllm.LLM(enforce_eager=...)`, or None to pass nothing.
+    """
+    if enforce_eager is None:
+        return True if on_cpu else None
+    return bool(enforce_eager)
+
+
 def _warn_if_omp_spins() -> None:
     """Once: torch loaded its OpenMP runtime before `portable_rl.engines` could ask for passive waiting."""
     global _OMP_WARNED
@@ -99,49 +115,6 @@ def _log_cpu_dtype_once(dtype: str, why: str) -> None:
         _CPU_DTYPE_LOGGED.add((dtype, why))
         print(f"[vllm] CPU engine dtype {dtype}: {why}; override with engine_init_kwargs={{'dtype': ...}}",
               file=sys.stderr, flush=True)
-
-
-class WeightUpdateError(ValueError):
-    """Pushed weights do not fit the engine's model; nothing was loaded."""
-
-
-def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """{hf_name: shape} from the safetensors headers in `model_path` (reads only the headers)."""
-    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-    shapes = {}
-    for name in files:
-        with open(os.path.join(model_path, name), "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for key, info in header.items():
-            if key != "__metadata__":
-                shapes[key] = tuple(info["shape"])
-    return shapes
-
-
-def check_named_tensors(pairs: list, expected: dict[str, tuple[int, ...]], optional: set[str]) -> None:
-    """Raises WeightUpdateError unless `pairs` covers `expected` exactly with matching shapes."""
-    names = [name for name, _ in pairs]
-    duplicates = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
-    unknown = sorted(set(names) - set(expected) - optional)
-    missing = sorted(set(expected) - set(names))
-    wrong_shape = [f"{n}: pushed {tuple(t.shape)}, engine has {expected[n]}"
-                   for n, t in pairs if n in expected and tuple(t.shape) != expected[n]]
-    problems = []
-    if unknown:
-        problems.append(f"{len(unknown)} unknown names (first: {unknown[:3]})")
-    if missing:
-        problems.append(f"{len(missing)} missing names (first: {missing[:3]})")
-    if wrong_shape:
-        problems.append(f"{len(wrong_shape)} shape mismatches (first: {wrong_shape[:3]})")
-    if duplicates:
-        problems.append(f"duplicate names {duplicates[:3]}")
-    if problems:
-        raise WeightUpdateError(
-            "weight update rejected, engine left unchanged: " + "; ".join(problems)
-            + ". Push every HF-named tensor of the model (check convert/mapping.py for this family).")
 
 
 class _ExpectedReloadWarnings:
@@ -184,7 +157,7 @@ class VLLMEngine(EngineAdapter):
 
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = True, dtype: str | None = None, in_process: bool = True,
+                 enforce_eager: bool | None = None, dtype: str | None = None, in_process: bool = True,
                  validate_weights: bool = True):
         # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -205,8 +178,11 @@ class VLLMEngine(EngineAdapter):
             if on_cpu and "dtype" not in (engine_init_kwargs or {}):
                 _log_cpu_dtype_once(dtype, why)
         kwargs: dict[str, Any] = dict(
-            model=self.model_path, seed=seed, enforce_eager=enforce_eager,
+            model=self.model_path, seed=seed,
             dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION)
+        eager = resolve_enforce_eager(enforce_eager, on_cpu)
+        if eager is not None:  # None: vLLM's default (False: CUDA graphs on GPU)
+            kwargs["enforce_eager"] = eager
         if max_model_len is not None:  # default: the model's max_position_embeddings
             kwargs["max_model_len"] = max_model_len
         if gpu_memory_utilization is not None:
@@ -221,14 +197,13 @@ class VLLMEngine(EngineAdapter):
             raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}: rollout logprobs must be "
                              f"{LOGPROBS_MODE!r} to equal the learner's log_softmax(logits/T)")
         self.engine_init_kwargs = dict(kwargs)
-        self.quantization = kwargs.get("quantization")
         self._validate = validate_weights
         self._expected_shapes = read_checkpoint_shapes(self.model_path) if validate_weights else {}
-        with open(os.path.join(self.model_path, "config.json")) as f:
-            tied = json.load(f).get("tie_word_embeddings", False)
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
-        self._optional_names = {"lm_head.weight"} if tied else set()
+        self._optional_names = {"lm_head.weight"} if tied_embeddings(self.model_path) else set()
         self._llm = vllm.LLM(**kwargs)
+        # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
+        self.quantization = self._llm.llm_engine.vllm_config.model_config.quantization
         self._in_process = in_process
         VLLMEngine._live += in_process
 
@@ -241,8 +216,9 @@ class VLLMEngine(EngineAdapter):
         prompts = check_prompts(prompt_token_ids)
         params = []
         for i in range(len(prompts)):
-            # One seed range per prompt: vLLM gives the n children of a request seeds seed, seed+1, ...
-            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            # One seed range per prompt: vLLM gives the n children of a request seeds seed, seed+1, ...,
+            # so sample j gets sampling.seed_for(i, j).
+            seed = sampling.seed_for(i)
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),

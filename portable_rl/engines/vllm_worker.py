@@ -46,7 +46,3 @@ class PortableRLWorkerExtension:
         quant_method = getattr(lm_head, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(lm_head)
-
-    def portable_rl_quantization(self) -> str | None:
-        """The engine's quantization method name (None for unquantized), for logs and probe thresholds."""
-        return self.vllm_config.model_config.quantization

@@ -32,7 +32,7 @@ def learner_reference_fn(learner, pad_id: int):
 
 
 def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, pad_id: int) -> dict:
-    quantized = getattr(engine, "quantization", None) is not None
+    quantized = engine.quantization is not None  # part of the engine contract (engines/base.py)
     result = probe_lib.run_probe(engine, prompts, learner_reference_fn(learner, pad_id), temperature=temperature,
                                  max_tokens=max_tokens, seed=PROBE_SEED, quantized=quantized)
     return result.as_metrics("probe/")

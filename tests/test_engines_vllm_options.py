@@ -1,0 +1,70 @@
+"""How the vLLM adapter chooses `enforce_eager`: eager on CPU, vLLM's own default on GPU, overridable from gin.
+
+Forcing eager everywhere turned off CUDA graphs on GPU (vLLM's default is enforce_eager=False), which slows
+decode there. No GPU here, so the GPU branch is checked by what the adapter would hand to `vllm.LLM`:
+the platform probe answers "GPU" and `vllm.LLM` is replaced by a recorder that stops before any engine
+starts. The CPU branch uses the real platform probe.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import gin  # noqa: E402
+
+from portable_rl import gin_utils  # noqa: E402
+from portable_rl.engines import vllm_adapter  # noqa: E402
+from portable_rl.engines.vllm_adapter import VLLMEngine, resolve_enforce_eager  # noqa: E402
+from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+class _Stop(Exception):
+    pass
+
+
+def llm_kwargs(monkeypatch, ckpt, on_cpu, **kw):
+    """The kwargs VLLMEngine passes to vllm.LLM, with the platform probe answering `on_cpu`."""
+    import vllm
+
+    seen = {}
+
+    def recorder(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(vllm, "LLM", recorder)
+    monkeypatch.setattr(vllm_adapter, "_on_cpu", lambda: on_cpu)
+    with pytest.raises(_Stop):
+        VLLMEngine(model_path=ckpt, **kw)
+    return seen
+
+
+def test_resolve_enforce_eager():
+    assert resolve_enforce_eager(None, on_cpu=True) is True
+    assert resolve_enforce_eager(None, on_cpu=False) is None  # pass nothing: vLLM's default (CUDA graphs)
+    for forced in (True, False):
+        assert resolve_enforce_eager(forced, on_cpu=True) is forced
+        assert resolve_enforce_eager(forced, on_cpu=False) is forced
+
+
+def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu(monkeypatch, tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True)["enforce_eager"] is True
+    gpu = llm_kwargs(monkeypatch, ckpt, on_cpu=False)
+    assert "enforce_eager" not in gpu and gpu["dtype"] == "bfloat16"
+    assert llm_kwargs(monkeypatch, ckpt, on_cpu=False, enforce_eager=True)["enforce_eager"] is True
+    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True, enforce_eager=False)["enforce_eager"] is False
+
+
+def test_gin_exposes_enforce_eager():
+    gin.clear_config()
+    try:
+        gin_utils.parse_gin(["gin/engines/vllm.gin"], ["SEED = 0"])
+        assert gin_utils.query_value("vllm/engines.create_engine.enforce_eager") is None  # the platform's choice
+        gin.clear_config()
+        gin_utils.parse_gin(["gin/engines/vllm.gin"], ["SEED = 0", "ENFORCE_EAGER = False"])
+        assert gin_utils.query_value("vllm/engines.create_engine.enforce_eager") is False
+    finally:
+        gin.clear_config()
