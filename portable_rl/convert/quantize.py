@@ -15,10 +15,12 @@ norms, biases and lm_head stay in bf16, as in published FP8 checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 from typing import Iterable, Iterator
 
 import torch
@@ -103,6 +105,53 @@ def write_blockwise_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = 
                 json.dump(config, f, indent=2)
         elif os.path.isfile(path):
             shutil.copy(path, os.path.join(dst, fname))
+    return dst
+
+
+def is_blockwise_fp8_checkpoint(path: str, block: tuple[int, int] = BLOCK) -> bool:
+    """True when config.json of `path` declares FP8 weights quantized in `block` tiles."""
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return qc.get("quant_method") == "fp8" and qc.get("weight_block_size") == list(block)
+
+
+SOURCE_MARKER = "portable_rl_fp8_source.json"  # written last, inside the checkpoint: it is complete
+
+
+def _source_fingerprint(src: str, block: tuple[int, int]) -> dict:
+    """What identifies the bf16 source cheaply: its real path, every file's name, size and mtime, the block."""
+    src = os.path.realpath(src)
+    files = [(f, st.st_size, st.st_mtime_ns) for f in sorted(os.listdir(src))
+             if os.path.isfile(os.path.join(src, f)) for st in [os.stat(os.path.join(src, f))]]
+    return {"source": src, "files": files, "weight_block_size": list(block)}
+
+
+def ensure_blockwise_fp8_checkpoint(src: str, root: str, block: tuple[int, int] = BLOCK) -> str:
+    """The blockwise FP8 copy of the bf16 checkpoint `src` under `root`: written once, atomically.
+
+    The copy lives in `root/fp8_blockwise_<hash of the source fingerprint>`. A later call with the same
+    source (a resumed run, another engine of a fleet) finds it and returns at once. It is written into a
+    temporary directory next to it and renamed into place, so a crash never leaves a half-written copy
+    behind a valid name, and of two writers racing, one rename wins and the other's copy is dropped.
+    """
+    fingerprint = _source_fingerprint(src, block)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+    dst = os.path.join(root, f"fp8_blockwise_{key}")
+    if os.path.exists(os.path.join(dst, SOURCE_MARKER)):
+        return dst
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".fp8_blockwise_{key}.tmp-", dir=root)
+    try:
+        write_blockwise_fp8_checkpoint(src, tmp, block)
+        with open(os.path.join(tmp, SOURCE_MARKER), "w") as f:
+            json.dump(fingerprint, f, indent=1)
+        try:
+            os.rename(tmp, dst)  # atomic; fails if dst exists (another writer finished first)
+        except OSError:
+            if not os.path.exists(os.path.join(dst, SOURCE_MARKER)):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename
     return dst
 
 

@@ -6,6 +6,14 @@ sampler computes them as log(softmax(logits / T)) — the tempered sampling dist
 definition — unless the env var SGLANG_RETURN_ORIGINAL_LOGPROB is set (then they are T=1 logprobs), which
 this adapter refuses.
 
+Seeds. 0.5.23 reads a request's `sampling_seed` only when the engine runs with
+`enable_deterministic_inference=True`; otherwise every request draws from the engine's global RNG and the
+same seed gives different samples. So a seeded engine (`seed` not None, the default) starts deterministic,
+and sample j of prompt i gets `sampling_seed = SamplingConfig.seed_for(i, j)`. The cost: SGLang then uses
+batch-invariant kernels, the pytorch sampling backend, and only attention backends that support it
+(fa3 / flashinfer / triton on NVIDIA; it picks fa3 on Hopper, flashinfer on Blackwell; some disable the
+radix cache). `deterministic=False` gives the fast backends back, and seeds are then ignored (warned once).
+
 Weight sync (0.5.23). Every `update_weights_from_tensor` must run inside a session:
 
     begin_weight_update()                      # restores in-place-packed (e.g. FP8) weights
@@ -13,30 +21,52 @@ Weight sync (0.5.23). Every `update_weights_from_tensor` must run inside a sessi
     end_weight_update()                        # post-processes / re-packs quantized weights
     flush_cache()                              # radix (prefix) cache was built with the old weights
 
-Outside a session 0.5.23 answers (success=False, "...must run between begin_weight_update() and
-end_weight_update()") and loads nothing; every reply is checked and a failure raises after the session is
-closed. FP8 comes in two flavours, chosen by `fp8_mode`:
+A load that fails inside the engine is not an error reply: `model.load_weights` raising kills the scheduler,
+which SIGQUITs its parent, whose handler kills the whole process tree — in-process, the trainer. So
+everything that would make it raise is checked here before the session opens:
+  - names and shapes against the checkpoint the engine started on (`engines.checkpoint`, as for vLLM);
+  - in flash_rl mode, canonical `model.`-prefixed names;
+  - fused groups (q/k/v, gate/up) are never split across buckets (`convert.buckets.bucketed_groups`): the
+    flash_rl reload with per-tensor FP8 (no cutlass) refuses a partial update of a fused matrix.
+The replies SGLang does send (outside a session, session already open, cache flush refused) are checked
+and raise `SGLangWeightUpdateError` after the session is closed.
+
+Transport. `update_weights_from_tensor` pickles the tensors to the scheduler process (CUDA IPC handles on
+GPU). The learner's tensors are DLPack views of JAX-owned memory, which torch's IPC sharing cannot be
+assumed to handle, so each bucket is copied into torch-owned, contiguous memory first (cost: one
+device-local copy of one bucket at a time; benchmarks/weight_sync.py).
+
+FP8 comes in two flavours, chosen by `fp8_mode`:
   - "flash_rl": engine started with quantization="fp8", load_format="flash_rl"; it keeps the bf16 loaders
     and re-quantizes the pushed bf16 weights. 0.5.23 supports only Qwen2/Qwen3 (their `load_weights` carry
-    the `supports_quantized_rl_reload` mark) and names must be canonical (`model.`-prefixed).
-  - "blockwise": trainer-side 128x128 FP8 (`portable_rl.convert.quantize.quantize_named_tensors_blockwise`:
-    `weight` in float8_e4m3fn + `weight_scale_inv`); the engine must be started from a checkpoint written
-    by `portable_rl.convert.quantize.write_blockwise_fp8_checkpoint` (config with `weight_block_size`).
+    the `supports_quantized_rl_reload` mark).
+  - "blockwise": trainer-side 128x128 FP8 (`convert.quantize.quantize_named_tensors_blockwise`: `weight` in
+    float8_e4m3fn + `weight_scale_inv`), the verl TIS recipe's setting. SGLang serves block-wise FP8 only
+    from an FP8-serialized checkpoint, so a bf16 `model_path` is converted once into
+    `fp8_checkpoint_root` (`convert.quantize.ensure_blockwise_fp8_checkpoint`) and the engine starts there;
+    every push is quantized the same way.
+
+Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
+`sleep()` then frees the KV cache, the weights and the CUDA graphs, and `wake_up()` restores them with the
+weights' contents intact. Without it `release_memory_occupation` frees nothing, so `sleep()` raises.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterable, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
+from portable_rl.convert.buckets import bucketed_groups
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
                                       flatten_named_tensors)
-from portable_rl.convert.buckets import bucketed
+from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
 
 FP8_MODES = (None, "flash_rl", "blockwise")
 FLASH_RL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sglang 0.5.23, models/qwen2.py, qwen3.py
+SCALE_SUFFIX = "_scale_inv"
 
 
 class SGLangWeightUpdateError(RuntimeError):
@@ -44,30 +74,45 @@ class SGLangWeightUpdateError(RuntimeError):
 
 
 def _ok(reply: Any) -> tuple[bool, str]:
-    """SGLang 0.5.x replies with (success, message); some versions return an object with .success."""
+    """0.5.23 replies (success, message) to the session calls and an object with .success to flush_cache."""
     if isinstance(reply, tuple):
         return bool(reply[0]), str(reply[1]) if len(reply) > 1 else ""
     return bool(getattr(reply, "success", reply)), str(getattr(reply, "message", ""))
 
 
+def torch_owned(pairs: list) -> list:
+    """Each tensor copied into fresh torch-allocated contiguous memory on its own device (module doc)."""
+    import torch
+
+    return [(name, tensor.detach().clone(memory_format=torch.contiguous_format)) for name, tensor in pairs]
+
+
 @register("sglang")
 class SGLangEngine(EngineAdapter):
-    """`engine_factory` defaults to `sglang.Engine`; tests pass a recording fake with the same API."""
+    """`engine_factory` defaults to `sglang.Engine`; tests pass a strict fake with the same API."""
 
-    def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
+    def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int | None = 0,
                  dtype: str = "bfloat16", fp8_mode: str | None = None, bucket_bytes: int = 512 << 20,
+                 deterministic: bool | None = None, sleep_mode: bool = False,
+                 fp8_checkpoint_root: str | None = None, validate_weights: bool = True,
                  engine_factory: Callable[..., Any] | None = None):
         if fp8_mode not in FP8_MODES:
             raise ValueError(f"fp8_mode={fp8_mode!r}; expected one of {FP8_MODES}")
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 logprobs, not the "
                              "tempered ones the learner uses; unset it")
-        self.model_path = str(model_path)
+        self.source_model_path = str(model_path)
+        self.model_path = self.source_model_path  # what the engine starts on (an FP8 copy in blockwise mode)
         self.fp8_mode = fp8_mode
         self.bucket_bytes = int(bucket_bytes)
+        self.sleep_mode = bool(sleep_mode)
         with open(os.path.join(self.model_path, "config.json")) as f:
             hf_config = json.load(f)
-        kwargs: dict[str, Any] = dict(model_path=self.model_path, random_seed=seed, dtype=dtype)
+        kwargs: dict[str, Any] = dict(model_path=self.model_path, random_seed=seed, dtype=dtype,
+                                      enable_deterministic_inference=seed is not None if deterministic is None
+                                      else bool(deterministic))
+        if self.sleep_mode:
+            kwargs.update(enable_memory_saver=True, enable_weights_cpu_backup=True)
         if fp8_mode == "flash_rl":
             archs = hf_config.get("architectures") or []
             if not set(archs) & set(FLASH_RL_ARCHITECTURES):
@@ -75,23 +120,49 @@ class SGLangEngine(EngineAdapter):
                                  f"this checkpoint is {archs}; use fp8_mode='blockwise'")
             kwargs.update(quantization="fp8", load_format="flash_rl")
         elif fp8_mode == "blockwise":
-            block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
-            if block != [128, 128]:
-                raise ValueError("fp8_mode='blockwise' needs a checkpoint quantized 128x128 "
-                                 "(portable_rl.convert.quantize.write_blockwise_fp8_checkpoint); "
-                                 f"{self.model_path} has weight_block_size={block}")
+            from portable_rl.convert.quantize import ensure_blockwise_fp8_checkpoint, is_blockwise_fp8_checkpoint
+
+            if not is_blockwise_fp8_checkpoint(self.model_path):
+                if fp8_checkpoint_root is None:
+                    raise ValueError(
+                        f"fp8_mode='blockwise': {self.model_path} is not a 128x128 FP8 checkpoint and SGLang serves "
+                        "block-wise FP8 only from one; set fp8_checkpoint_root (gin: SGLANG_FP8_CHECKPOINT_ROOT = "
+                        "%RUN_DIR) to have it written there once, or start from "
+                        "portable_rl.convert.quantize.write_blockwise_fp8_checkpoint's output")
+                self.model_path = ensure_blockwise_fp8_checkpoint(self.model_path, str(fp8_checkpoint_root))
+                kwargs["model_path"] = self.model_path
         kwargs.update(engine_init_kwargs or {})
         self.engine_init_kwargs = dict(kwargs)
+        self.seeds_honoured = bool(kwargs.get("enable_deterministic_inference"))
+        self._warned_unseeded = False
+        self.quantization = self._quantization(hf_config, kwargs)
+        self._validate = validate_weights
+        expected = read_checkpoint_shapes(self.model_path) if validate_weights else {}
+        # The learner pushes bf16 projections; in blockwise mode this adapter derives their scales itself.
+        self._expected_shapes = {n: s for n, s in expected.items() if not n.endswith(SCALE_SUFFIX)}
+        # A tied model's checkpoint may omit lm_head.weight; SGLang's Qwen/Llama loaders skip it if pushed.
+        self._optional_names = {"lm_head.weight"} if tied_embeddings(self.model_path) else set()
         if engine_factory is None:
             import sglang
 
             engine_factory = sglang.Engine
         self._engine = engine_factory(**kwargs)
 
+    def _quantization(self, hf_config: dict, kwargs: dict) -> str | None:
+        """fp8_mode's scheme, else the `quantization` argument, else a pre-quantized checkpoint's method."""
+        if self.fp8_mode is not None:
+            return f"fp8_{self.fp8_mode}"
+        return kwargs.get("quantization") or (hf_config.get("quantization_config") or {}).get("quant_method")
+
     # ----------------------------------------------------------------------------------------- rollouts
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         engine = self._require_engine()
         prompts = check_prompts(prompt_token_ids)
+        if sampling.seed is not None and not self.seeds_honoured and not self._warned_unseeded:
+            self._warned_unseeded = True
+            warnings.warn("SGLang runs without enable_deterministic_inference, so sampling seeds are ignored and "
+                          "rollouts are not reproducible (resume and fleet results will differ); start the "
+                          "engine with deterministic=True to honour them", RuntimeWarning, stacklevel=2)
         # n samples as n requests (prompt-major) so the order and the per-sample seeds are ours, not SGLang's.
         input_ids, params, owners = [], [], []
         for i, prompt in enumerate(prompts):
@@ -100,8 +171,8 @@ class SGLangEngine(EngineAdapter):
                          top_p=sampling.top_p, top_k=sampling.top_k)
                 if sampling.stop_token_ids:
                     p["stop_token_ids"] = list(sampling.stop_token_ids)
-                if sampling.seed is not None:
-                    p["sampling_seed"] = sampling.seed + i * sampling.n + j
+                if sampling.seed is not None and self.seeds_honoured:
+                    p["sampling_seed"] = sampling.seed_for(i, j)
                 input_ids.append(prompt)
                 params.append(p)
                 owners.append(i)
@@ -124,25 +195,37 @@ class SGLangEngine(EngineAdapter):
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Full sync: checked up front (module doc), then one session of fused-group-complete buckets."""
         engine = self._require_engine()
-        pairs: Iterable = flatten_named_tensors(named_tensors)
+        pairs = list(flatten_named_tensors(named_tensors))  # references only: nothing is copied yet
         if self.fp8_mode == "flash_rl":
-            pairs = list(pairs)
             bad = [n for n, _ in pairs if not n.startswith(("model.", "lm_head."))]
-            if bad:  # 0.5.23 raises inside the engine for these; say it before opening a session
+            if bad:  # 0.5.23 raises inside the engine for these, which kills the process tree
                 raise ValueError(f"fp8_mode='flash_rl' needs canonical 'model.'-prefixed HF names, got {bad[:3]}")
-        elif self.fp8_mode == "blockwise":
-            from portable_rl.convert.quantize import quantize_named_tensors_blockwise
-
-            pairs = quantize_named_tensors_blockwise(pairs)
+        if self._validate:
+            check_named_tensors(pairs, self._expected_shapes, self._optional_names)
+        buckets = bucketed_groups(pairs, self.bucket_bytes)
+        del pairs
         self._check(engine.begin_weight_update(), "begin_weight_update")
         try:
-            for bucket in bucketed(pairs, self.bucket_bytes):
-                self._check(engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
-                            "update_weights_from_tensor")
-        finally:
-            self._check(engine.end_weight_update(), "end_weight_update")
-        engine.flush_cache()
+            for bucket in buckets:
+                self._check(engine.update_weights_from_tensor(named_tensors=self._transport(bucket),
+                                                              flush_cache=False), "update_weights_from_tensor")
+        except Exception:
+            engine.end_weight_update()  # close the session so the next sync can open one; report the first error
+            raise
+        self._check(engine.end_weight_update(), "end_weight_update")
+        self._check(engine.flush_cache(), "flush_cache")
+
+    def _transport(self, bucket: list) -> list:
+        """A bucket as SGLang receives it: torch-owned copies, FP8-quantized in blockwise mode."""
+        if self.fp8_mode != "blockwise":
+            return torch_owned(bucket)
+        from portable_rl.convert.quantize import is_quantized_projection, quantize_named_tensors_blockwise
+
+        rest = torch_owned([(n, t) for n, t in bucket if not is_quantized_projection(n)])
+        quantized = list(quantize_named_tensors_blockwise((n, t) for n, t in bucket if is_quantized_projection(n)))
+        return quantized + rest  # the quantizer's outputs are fresh torch tensors already
 
     @staticmethod
     def _check(reply: Any, what: str) -> None:
@@ -152,10 +235,22 @@ class SGLangEngine(EngineAdapter):
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def sleep(self) -> None:
-        self._require_engine().release_memory_occupation()
+        """Frees KV cache, weights and CUDA graphs (weights backed up to CPU); needs `sleep_mode=True`."""
+        engine = self._require_engine()
+        self._require_sleep_mode("sleep")
+        engine.release_memory_occupation()
 
     def wake_up(self) -> None:
-        self._require_engine().resume_memory_occupation()
+        """Restores what `sleep` freed, the weights' contents included."""
+        engine = self._require_engine()
+        self._require_sleep_mode("wake_up")
+        engine.resume_memory_occupation()
+
+    def _require_sleep_mode(self, what: str) -> None:
+        if not self.sleep_mode:
+            raise RuntimeError(f"SGLangEngine.{what}(): this engine was started without sleep_mode=True, so SGLang "
+                               "would free nothing; create it with sleep_mode=True (memory saver + CPU weight "
+                               "backup)")
 
     def close(self) -> None:
         engine, self._engine = getattr(self, "_engine", None), None

@@ -1,0 +1,160 @@
+"""The parts of SGLang's API the adapter relies on, read from SGLang's source with `ast` (never imported).
+
+    python tests/sglang_api.py /path/to/sglang-0.5.23-*.whl    # or a directory holding sglang/ (or site-packages)
+
+rewrites `tests/fixtures/sglang_api_<version>.json`, the recorded table that `tests/sglang_fake.py` takes its
+keyword sets from. `tests/test_engines_sglang.py` re-reads the source whenever one is available (an
+installed sglang, or $SGLANG_SRC naming a wheel or a directory) and fails if it differs from the table.
+
+What is recorded (0.5.23 layout):
+  server_args       every field of `ServerArgs`: the annotated fields of the namespace classes listed in
+                    `_INPUT_NAMESPACES` (srt/server_args.py), declared in srt/arg_groups/fields/*.py
+  engine            for each `Engine` method the adapter calls, its parameters as [name, default source]
+                    (default None-string when required) in order (srt/entrypoints/engine.py)
+  sampling_params   the fields of `SamplingParams` (srt/sampling/sampling_params.py)
+  memory_tags       GPU_MEMORY_ALL_TYPES (srt/constants.py): what release_memory_occupation() frees by default
+  outside_session   the reply text of update_weights_from_tensor outside a session
+                    (srt/managers/scheduler_components/weight_updater.py)
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+ENGINE_METHODS = ("__init__", "generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
+                  "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown")
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+class _Source:
+    """Reads `sglang/...` files from a wheel or from a directory that contains the `sglang` package."""
+
+    def __init__(self, where: str):
+        self.zip = zipfile.ZipFile(where) if str(where).endswith(".whl") else None
+        self.root = None if self.zip else str(where)
+
+    def read(self, rel: str) -> str:
+        if self.zip:
+            return self.zip.read(rel).decode()
+        return Path(self.root, rel).read_text()
+
+    def glob(self, pattern: str) -> list[str]:
+        if self.zip:
+            import fnmatch
+
+            return sorted(n for n in self.zip.namelist() if fnmatch.fnmatch(n, pattern))
+        return sorted(os.path.relpath(p, self.root) for p in glob.glob(os.path.join(self.root, pattern)))
+
+
+def _version(src: _Source) -> str:
+    """`__version__ = version = '0.5.23'` in the build-generated sglang/_version.py."""
+    tree = ast.parse(src.read("sglang/_version.py"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and "__version__" in [getattr(t, "id", None) for t in node.targets]:
+            return ast.literal_eval(node.value)
+    raise ValueError("no __version__ in sglang/_version.py")
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise KeyError(name)
+
+
+def _fields(cls: ast.ClassDef) -> list[str]:
+    return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
+def _server_args_fields(src: _Source) -> list[str]:
+    tree = ast.parse(src.read("sglang/srt/server_args.py"))
+    namespaces = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_INPUT_NAMESPACES":
+            namespaces = [e.id for e in node.value.elts]
+    if namespaces is None:
+        raise ValueError("no _INPUT_NAMESPACES in sglang/srt/server_args.py (layout changed since 0.5.23)")
+    classes = {}
+    for rel in src.glob("sglang/srt/arg_groups/fields/*.py"):
+        for node in ast.parse(src.read(rel)).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = node
+    fields = _fields(_class(tree, "ServerArgs"))
+    for name in namespaces:
+        fields += _fields(classes[name])
+    return sorted(fields)
+
+
+def _parameters(fn: ast.FunctionDef) -> list[list]:
+    args = fn.args
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    out = [[a.arg, None if d is None else ast.unparse(d)] for a, d in zip(positional, defaults)]
+    if args.vararg:
+        out.append(["*" + args.vararg.arg, None])
+    out += [[a.arg, None if d is None else ast.unparse(d)] for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        out.append(["**" + args.kwarg.arg, None])
+    return out
+
+
+def read_api(where: str) -> dict:
+    src = _Source(where)
+    engine = _class(ast.parse(src.read("sglang/srt/entrypoints/engine.py")), "Engine")
+    methods = {n.name: n for n in engine.body if isinstance(n, ast.FunctionDef)}
+    constants = ast.parse(src.read("sglang/srt/constants.py"))
+    names = {n.targets[0].id: n.value for n in constants.body if isinstance(n, ast.Assign)}
+    memory_tags = [ast.literal_eval(names[e.id]) for e in names["GPU_MEMORY_ALL_TYPES"].elts]
+    updater = src.read("sglang/srt/managers/scheduler_components/weight_updater.py")
+    outside = None
+    for node in ast.walk(ast.parse(updater)):
+        if isinstance(node, ast.keyword) and node.arg == "message":
+            try:
+                text = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            if text.startswith("update_weights_from_tensor must run between"):
+                outside = text
+    return {
+        "version": _version(src),
+        "server_args": _server_args_fields(src),
+        "engine": {m: _parameters(methods[m]) for m in ENGINE_METHODS},
+        "sampling_params": sorted(_fields(_class(ast.parse(src.read("sglang/srt/sampling/sampling_params.py")),
+                                                 "SamplingParams"))),
+        "memory_tags": memory_tags,
+        "outside_session": outside,
+    }
+
+
+def find_source() -> str | None:
+    """$SGLANG_SRC (a wheel, or a directory holding sglang/), else an installed sglang's site dir, else None."""
+    where = os.environ.get("SGLANG_SRC")
+    if where:
+        return where
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    if spec is not None and spec.origin:
+        return str(Path(spec.origin).parent.parent)
+    return None
+
+
+def fixture_path(version: str) -> Path:
+    return FIXTURES / f"sglang_api_{version}.json"
+
+
+def load_recorded(version: str = "0.5.23") -> dict:
+    return json.loads(fixture_path(version).read_text())
+
+
+if __name__ == "__main__":
+    api = read_api(sys.argv[1] if len(sys.argv) > 1 else find_source())
+    path = fixture_path(api["version"])
+    path.write_text(json.dumps(api, indent=1) + "\n")
+    print(f"wrote {path}: {len(api['server_args'])} ServerArgs fields, {len(api['engine'])} Engine methods")
