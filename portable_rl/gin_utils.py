@@ -13,11 +13,11 @@ Library callables are registered here with `gin.external_configurable`, under sh
 (`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...).
 
 Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
-unknown configurable, missing REQUIRED macro) and the library's user errors (`USER_ERRORS`: unknown
-engine / reward, missing or unreadable files, malformed dataset, tokenizer/model vocabulary mismatch,
-corrupt checkpoint, rejected weight push, an engine fleet the cluster cannot place, too many
-non-finite rollout logprobs, a sequence over the micro-batch token budget). Set `PORTABLE_RL_TRACEBACK=1`
-to see the traceback instead.
+unknown configurable, missing REQUIRED macro) and every `portable_rl.errors.UserError` (unknown engine /
+reward, malformed dataset, tokenizer/model vocabulary mismatch, corrupt checkpoint, rejected weight push,
+an engine fleet the cluster cannot place, too many non-finite rollout logprobs, a sequence over the
+micro-batch token budget, a memory knob this machine cannot run, ...) plus missing or unreadable files.
+Set `PORTABLE_RL_TRACEBACK=1` to see the traceback instead.
 """
 
 from __future__ import annotations
@@ -36,26 +36,11 @@ from typing import Callable, Sequence
 import gin
 
 import portable_rl
+from portable_rl.errors import USER_ERRORS
 
 PACKAGE_GIN_DIR = Path(portable_rl.__file__).resolve().parent.parent / "gin"
 _REGISTERED = False
 _CONFIGURABLES: dict[str, Callable] = {}  # gin name ("train", "tasks.ArithmeticTask") -> callable
-
-# Exceptions that mean bad input (a name, a path, a file's content), not a bug: (module, class name).
-# Checked only for modules already imported (an error class whose module was never imported was never raised).
-USER_ERRORS = (
-    ("builtins", "FileNotFoundError"), ("builtins", "IsADirectoryError"), ("builtins", "NotADirectoryError"),
-    ("builtins", "PermissionError"),
-    ("portable_rl.engines.registry", "UnknownEngineError"),
-    ("portable_rl.engines.vllm_adapter", "WeightUpdateError"),
-    ("portable_rl.engines.ray_fleet", "FleetStartTimeoutError"),
-    ("portable_rl.tasks.rewards", "UnknownRewardError"),
-    ("portable_rl.tasks.math_dataset", "DatasetError"),
-    ("portable_rl.rl.codec", "VocabularyMismatchError"),
-    ("portable_rl.rl.rollout", "NonFiniteLogprobsError"),
-    ("portable_rl.rl.batching", "MicroBatchBudgetError"),
-    ("portable_rl.learner_jax.checkpoint", "CheckpointError"),
-)
 
 
 def default_search_paths() -> list[str]:
@@ -92,7 +77,7 @@ def register_library() -> None:
     register_configurable(tis.from_preset, name="from_preset", module="tis")
     register_configurable(dapo.DapoConfig, module="rl")
     from portable_rl.learner_jax import optim, sharding
-    from portable_rl import warmstart
+    from portable_rl.rl import warmstart  # the library function; portable_rl/warmstart.py is its entry point
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
     register_configurable(sharding.MeshConfig, module="sharding")
@@ -190,15 +175,14 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
             raise
         if isinstance(e, (ValueError, TypeError)) and "Required bindings" in str(e):
             _exit_with(e)
-        if isinstance(e, user_error_types()):
+        if isinstance(e, USER_ERRORS):
             raise SystemExit(f"error: {one_line(e)}") from e
         raise
 
 
 def user_error_types() -> tuple[type, ...]:
-    """The `USER_ERRORS` classes of the modules imported so far."""
-    return tuple(getattr(sys.modules[m], name) for m, name in USER_ERRORS
-                 if m in sys.modules and hasattr(sys.modules[m], name))
+    """The exception classes the entry points print as one line (`portable_rl.errors.USER_ERRORS`)."""
+    return USER_ERRORS
 
 
 def one_line(e: BaseException) -> str:

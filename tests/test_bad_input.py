@@ -19,6 +19,9 @@ The issue's checklist → tests (here unless a file is named):
                                  test_cli_bad_input_ends_with_one_line[vocab]
 - a sequence over the micro-batch token budget: test_cli_bad_input_ends_with_one_line[budget],
                                  tests/test_micro_batches.py::test_sequence_over_the_token_budget_is_a_one_line_error
+- a memory knob this machine cannot run, a bad remat name, an out-of-range algorithm / correction setting
+  (issue 15: every one a `portable_rl.errors.UserError`): test_cli_bad_input_ends_with_one_line[attention,
+                                 remat, algorithm, correction], test_every_user_facing_error_is_a_user_error
 - corrupt / incomplete checkpoint on resume:
     no COMMITTED marker:         tests/test_checkpoint.py::test_partially_written_step_is_never_restored
     committed but damaged:       test_damaged_committed_checkpoint_names_directory_and_fix,
@@ -89,11 +92,17 @@ CLI_CASES = {
     # (no dynamic sampling: the random model's groups all score 0 and would all be dropped before the learner)
     "budget": (["--gin.train.max_tokens_per_micro_batch=4", "--gin.rl.DapoConfig.dynamic_sampling=False"],
                "does not fit train.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
+    # the learner's memory knobs (learner_jax.memory.MemoryConfig, learner_jax.attention)
+    "attention": (["--gin.train.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
+                                                          "use 'blockwise' (or 'auto')"),
+    "remat": (["--gin.train.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
+    "algorithm": (["--gin.rl.DapoConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
+    "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
 }
 
 
 # These fail after the model is loaded (~30 s each on 2 busy cores); the others fail while gin builds the task.
-_AFTER_MODEL_LOAD = ("budget", "checkpoint", "engine", "vocab")
+_AFTER_MODEL_LOAD = ("attention", "budget", "checkpoint", "engine", "vocab")
 _AFTER_ENGINE_START = ("budget",)   # fails on the first step's rollouts
 
 
@@ -144,6 +153,35 @@ def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
     assert "(did you mean 'eval_size'?)" in message("train.eval_sise = 4")
     unrelated = message("train.zzz = 1")
     assert "parameters of train: run_dir, train_steps, model_path" in unrelated and "\n" not in unrelated
+
+
+def test_every_user_facing_error_is_a_user_error():
+    """One base class (portable_rl.errors.UserError) instead of a list of class names; builtin bases kept."""
+    from portable_rl.convert.gguf import GgufNotFoundError
+    from portable_rl.engines.ray_fleet import FleetStartTimeoutError
+    from portable_rl.engines.registry import UnknownEngineError
+    from portable_rl.engines.vllm_adapter import WeightUpdateError
+    from portable_rl.errors import ConfigError, UnknownNameError, UserError
+    from portable_rl.gin_utils import user_error_types
+    from portable_rl.learner_jax.checkpoint import CheckpointError
+    from portable_rl.learner_jax.memory import MemoryConfig
+    from portable_rl.rl.batching import MicroBatchBudgetError
+    from portable_rl.rl.codec import VocabularyMismatchError
+    from portable_rl.rl.rollout import NonFiniteLogprobsError
+    from portable_rl.tasks import UnknownRewardError
+
+    for cls, builtin in [(UnknownEngineError, KeyError), (UnknownRewardError, KeyError), (DatasetError, ValueError),
+                         (WeightUpdateError, ValueError), (FleetStartTimeoutError, TimeoutError),
+                         (VocabularyMismatchError, ValueError), (NonFiniteLogprobsError, RuntimeError),
+                         (MicroBatchBudgetError, ValueError), (CheckpointError, RuntimeError),
+                         (ConfigError, ValueError), (GgufNotFoundError, FileNotFoundError)]:
+        assert issubclass(cls, builtin) and isinstance(cls("x"), user_error_types()), cls
+    assert issubclass(UnknownEngineError, UnknownNameError) and issubclass(UnknownRewardError, UnknownNameError)
+    assert str(UnknownEngineError("unknown engine 'x'")) == "unknown engine 'x'"    # no KeyError quotes
+    assert not isinstance(ValueError("a bug"), user_error_types())                   # a plain error keeps its traceback
+    for kwargs in (dict(remat="dots"), dict(attention_impl="flash"), dict(max_tokens_per_micro_batch=0)):
+        with pytest.raises(UserError):
+            MemoryConfig(**kwargs)
 
 
 # ------------------------------------------------------------------------------------------- data

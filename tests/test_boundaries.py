@@ -73,3 +73,38 @@ def test_engine_side_quantizer_does_not_pull_in_jax():
             "bad = [m for m in ('jax', 'flax', 'optax') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _package_import_graph() -> dict[str, set[str]]:
+    """portable_rl module → the portable_rl modules it imports anywhere in its source (function bodies too).
+
+    `from pkg import sub` counts as importing the submodule `pkg.sub`, not the package's __init__.
+    """
+    def name(path: pathlib.Path) -> str:
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                deps.update(subs or {node.module})
+        graph[module] = {d for d in deps if d in modules and d != module}
+    return graph
+
+
+def test_no_import_circles():
+    """No two modules import each other, even lazily (issue 15: gin_utils ↔ warmstart was the one circle)."""
+    graph = _package_import_graph()
+    assert "portable_rl.rl.warmstart" in graph["portable_rl.gin_utils"]   # the graph sees function-level imports
+
+    def reaches(start, goal, seen):
+        return any(d == goal or (d not in seen and not seen.add(d) and reaches(d, goal, seen)) for d in graph[start])
+
+    circles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not circles, f"modules on an import circle: {circles}"

@@ -17,9 +17,10 @@ import json
 import os
 import struct
 
+from portable_rl.errors import UserError
 
 
-class WeightUpdateError(ValueError):
+class WeightUpdateError(UserError, ValueError):
     """Pushed weights do not fit the engine's model; nothing was loaded."""
 
 

@@ -36,6 +36,7 @@ from portable_rl.convert.buckets import bucketed
 from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
                                       flatten_named_tensors)
 from portable_rl.engines.registry import create_engine, register
+from portable_rl.errors import UserError
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 # The engine runs inside the actor's own process: the in-process vLLM engine there (no extra engine-core
@@ -86,7 +87,7 @@ def unpack_bucket(packed) -> list[tuple[str, Any]]:
     return pairs
 
 
-class FleetStartTimeoutError(TimeoutError):
+class FleetStartTimeoutError(UserError, TimeoutError):
     """The cluster could not place the engine actors in time (a user error: too few resources)."""
 
 

@@ -23,6 +23,7 @@ import warnings
 from typing import Callable
 
 from portable_rl.engines.base import EngineAdapter
+from portable_rl.errors import UnknownNameError
 
 ENTRY_POINT_GROUP = "portable_rl.engines"
 _BUILTIN_MODULES = ("portable_rl.engines.vllm_adapter", "portable_rl.engines.sglang_adapter", "portable_rl.engines.ray_fleet",
@@ -32,9 +33,8 @@ _REGISTRY: dict[str, Callable[..., EngineAdapter]] = {}
 _builtins_loaded = False
 
 
-class UnknownEngineError(KeyError):
-    def __str__(self):  # KeyError would quote the message
-        return str(self.args[0])
+class UnknownEngineError(UnknownNameError):
+    """An engine name nobody registered."""
 
 
 def register(name: str):

@@ -91,6 +91,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from portable_rl.errors import ConfigError
+
 IMPLS = ("blockwise", "dense", "cudnn", "splash")
 
 _MASKED = -1e30  # finite, so a row with no visible key never makes NaN (its probabilities are zeroed)
@@ -374,7 +376,7 @@ def blockwise_attention(q, k, v, segment_ids, *, block_q: int | None = None, blo
     T = q.shape[1]
     block_q, block_k = (default_q if block_q is None else block_q), (default_k if block_k is None else block_k)
     if block_q < 1 or block_k < 1:
-        raise ValueError(f"block_q={block_q}, block_k={block_k}: use positive block sizes (or None)")
+        raise ConfigError(f"block_q={block_q}, block_k={block_k}: use positive block sizes (or None)")
     block_q, block_k = min(int(block_q), T), min(int(block_k), T)
     return _blockwise(q, k, v, segment_ids.astype(jnp.int32), block_q, block_k)
 
@@ -529,13 +531,13 @@ def resolve_attention_impl(impl: str, backend: str | None = None) -> str:
     if impl == "auto":
         return {"gpu": "cudnn", "tpu": "splash"}.get(backend, "blockwise")
     if impl not in IMPLS:
-        raise ValueError(f"attention_impl={impl!r}; use one of {('auto',) + IMPLS}")
+        raise ConfigError(f"attention_impl={impl!r}; use one of {('auto',) + IMPLS}")
     if impl == "cudnn" and backend != "gpu":
-        raise ValueError(f"attention_impl='cudnn' needs a GPU (backend here: {backend}); "
-                         "use 'blockwise' (or 'auto')")
+        raise ConfigError(f"attention_impl='cudnn' needs a GPU (backend here: {backend}); "
+                          "use 'blockwise' (or 'auto')")
     if impl == "splash" and backend != "tpu":
-        raise ValueError(f"attention_impl='splash' needs a TPU (backend here: {backend}); "
-                         "use 'blockwise' (or 'auto')")
+        raise ConfigError(f"attention_impl='splash' needs a TPU (backend here: {backend}); "
+                          "use 'blockwise' (or 'auto')")
     return impl
 
 

@@ -34,11 +34,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from portable_rl.errors import UserError
+
 COMMIT_MARKER = "COMMITTED"
 _log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory that cannot be used: unreadable, or a committed step that fails to restore."""
 
 

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from portable_rl.errors import ConfigError
 from portable_rl.tis.ratios import SAFETY_BOUND as _LOG_RATIO_BOUND
 from portable_rl.tis.ratios import masked_max, masked_mean as _masked_mean
 
@@ -72,7 +73,7 @@ def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm
         return loss_bt.sum() / (loss_bt.shape[0] * norm)
     if aggregation == "token-sum-norm":
         return loss_bt.sum() / norm
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+    raise ConfigError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
 
 
 def loss_token_weights(response_mask, aggregation: str = "token-mean", norm_constant=None, *,
@@ -86,7 +87,7 @@ def loss_token_weights(response_mask, aggregation: str = "token-mean", norm_cons
     """
     mask = np.asarray(response_mask) > 0                                   # [B, T]
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+        raise ConfigError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     if sequence_ids is None:
         sequence_ids = np.broadcast_to(np.arange(mask.shape[0])[:, None], mask.shape)
     ids = np.where(mask, np.asarray(sequence_ids), -1)                     # [B, T]
@@ -132,13 +133,13 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollou
     correction_weight_mean; all over valid tokens.
     """
     if mode not in MODES:
-        raise ValueError(f"unknown policy-loss mode {mode!r}; use one of {MODES}")
+        raise ConfigError(f"unknown policy-loss mode {mode!r}; use one of {MODES}")
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+        raise ConfigError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     if not (clip_eps_low >= 0 and clip_eps_high >= 0):
-        raise ValueError(f"clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}")
+        raise ConfigError(f"clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (DAPO/verl use 3.0), got {dual_clip_c}")
+        raise ConfigError(f"dual_clip_c must be > 1 (DAPO/verl use 3.0), got {dual_clip_c}")
     if mode == "bypass":
         if rollout_logprobs is None:
             raise ValueError("mode='bypass' uses rollout_logprobs as the old policy; pass rollout_logprobs")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from portable_rl.errors import ConfigError
+
 ATTENTION_IMPLS = ("auto", "blockwise", "dense", "cudnn", "splash")
 # 'none' | 'full' | a jax.checkpoint_policies name that saves matmul outputs ("dots saveable")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
@@ -35,13 +37,13 @@ class MemoryConfig:
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
+            raise ConfigError(f"attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r}; use one of {REMAT_POLICIES}")
+            raise ConfigError(f"remat={self.remat!r}; use one of {REMAT_POLICIES}")
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive int, or None")
+                raise ConfigError(f"{name}={value!r} must be a positive int, or None")
 
     def model_kwargs(self) -> dict:
         """The knobs the model is built with: `Transformer(config, ..., **m.model_kwargs())` (and the

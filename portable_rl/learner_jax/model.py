@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from portable_rl.errors import ConfigError
 from portable_rl.learner_jax import attention as attention_lib
 from portable_rl.learner_jax.attention import attention
 from portable_rl.learner_jax.config import ModelConfig
@@ -183,7 +184,7 @@ def resolve_remat(remat) -> str:
     if remat is False or remat is None:
         return "none"
     if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat={remat!r}; use one of {REMAT_POLICIES} (or True / False)")
+        raise ConfigError(f"remat={remat!r}; use one of {REMAT_POLICIES} (or True / False)")
     return remat
 
 

@@ -37,6 +37,8 @@ from typing import Sequence
 
 import numpy as np
 
+from portable_rl.errors import UserError
+
 ROW_KEYS = ("input_ids", "segment_ids", "positions", "attention_mask", "response_mask", "rollout_logprobs",
             "advantages")
 SEQ_KEYS = ("seq_row", "seq_start", "seq_len", "prompt_len")
@@ -44,7 +46,7 @@ _ROW_DTYPES = dict(input_ids=np.int32, segment_ids=np.int32, positions=np.int32,
                    response_mask=np.float32, rollout_logprobs=np.float32, advantages=np.float32)
 
 
-class MicroBatchBudgetError(ValueError):
+class MicroBatchBudgetError(UserError, ValueError):
     """A sequence is longer than the micro-batch token budget (sequences are never split)."""
 
 

@@ -16,8 +16,10 @@ import json
 import os
 from pathlib import Path
 
+from portable_rl.errors import UserError
 
-class VocabularyMismatchError(ValueError):
+
+class VocabularyMismatchError(UserError, ValueError):
     """The tokenizer has token ids the model's embedding table does not have."""
 
 

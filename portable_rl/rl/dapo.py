@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from portable_rl.errors import ConfigError
 from portable_rl.learner_jax import advantages as adv_lib
 from portable_rl.rl.batching import pack_rollouts
 
@@ -49,16 +50,16 @@ class DapoConfig:
 
     def __post_init__(self):
         if self.advantage not in ADVANTAGES:
-            raise ValueError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")
+            raise ConfigError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")
         if self.n_samples < 2:
-            raise ValueError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
+            raise ConfigError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
         if self.prompt_batch_size % self.mini_batch_size:
-            raise ValueError(f"prompt_batch_size={self.prompt_batch_size} must be a multiple of "
-                             f"mini_batch_size={self.mini_batch_size}")
+            raise ConfigError(f"prompt_batch_size={self.prompt_batch_size} must be a multiple of "
+                              f"mini_batch_size={self.mini_batch_size}")
         if self.max_gen_batches < 1:
-            raise ValueError(f"max_gen_batches={self.max_gen_batches} must be >= 1")
+            raise ConfigError(f"max_gen_batches={self.max_gen_batches} must be >= 1")
         if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
-            raise ValueError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
+            raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
 
     @property
     def rows_per_minibatch(self) -> int:

@@ -18,10 +18,11 @@ import dataclasses
 import numpy as np
 
 from portable_rl.engines.base import SamplingConfig
+from portable_rl.errors import UserError
 from portable_rl.rl.dynamic_sampling import GroupCollector
 
 
-class NonFiniteLogprobsError(RuntimeError):
+class NonFiniteLogprobsError(UserError, RuntimeError):
     """The engine returned too many NaN / inf logprobs for training to go on."""
 
 

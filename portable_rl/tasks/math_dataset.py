@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from portable_rl.errors import UserError
 from portable_rl.tasks.base import Example
 from portable_rl.tasks.rewards import get_reward
 
 _log = logging.getLogger(__name__)
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset file that cannot be read, or that has no usable row."""
 
 

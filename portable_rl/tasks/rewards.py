@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from portable_rl.errors import UnknownNameError
+
 RewardFn = Callable[[str, str], float]
 _REWARDS: dict[str, RewardFn] = {}
 
 
-class UnknownRewardError(KeyError):
-    def __str__(self):  # KeyError would quote the message
-        return str(self.args[0])
+class UnknownRewardError(UnknownNameError):
+    """A reward name nobody registered."""
 
 
 def register_reward(name: str):

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from portable_rl.errors import ConfigError
 from portable_rl.tis.masks import check_bounds, parse_divergence
 
 MODES = ("none", "token", "sequence", "geometric")
@@ -59,29 +60,29 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"unknown rollout-correction mode {self.mode!r}; use one of {MODES}")
+            raise ConfigError(f"unknown rollout-correction mode {self.mode!r}; use one of {MODES}")
         if self.clip is not None and not (self.clip > 0):  # also rejects NaN
-            raise ValueError(f"clip must be > 0 (or None for untruncated IS), got {self.clip}")
+            raise ConfigError(f"clip must be > 0 (or None for untruncated IS), got {self.clip}")
         for name in ("token_mask", "geo_mask", "product_mask", "veto"):
             low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
             check_bounds(low, high, f"RolloutCorrectionConfig.{name}_low/_high")
             for bound in (low, high):
                 if bound is not None and (bound < 0 or math.isnan(bound)):
-                    raise ValueError(f"RolloutCorrectionConfig.{name}_*: a ratio bound must be >= 0, got {bound}")
+                    raise ConfigError(f"RolloutCorrectionConfig.{name}_*: a ratio bound must be >= 0, got {bound}")
         check_bounds(self.divergence_low, self.divergence_high, "RolloutCorrectionConfig.divergence_low/_high")
         if self.divergence is not None:
             parse_divergence(self.divergence)
             if self.divergence_low is None and self.divergence_high is None:
-                raise ValueError(f"divergence={self.divergence!r} needs divergence_high (and/or divergence_low)")
+                raise ConfigError(f"divergence={self.divergence!r} needs divergence_high (and/or divergence_low)")
         elif self.divergence_low is not None or self.divergence_high is not None:
-            raise ValueError("divergence_low/_high are set but divergence is None; set e.g. divergence='seq_mean_k3'")
+            raise ConfigError("divergence_low/_high are set but divergence is None; set e.g. divergence='seq_mean_k3'")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "RolloutCorrectionConfig":
         """A named preset (see `PRESETS`) with any field overridden, e.g. preset('token_tis', clip=3.0)."""
         key = _ALIASES.get(name, name)
         if key not in PRESETS:
-            raise ValueError(f"unknown rollout-correction preset {name!r}; use one of {sorted(PRESETS)}")
+            raise ConfigError(f"unknown rollout-correction preset {name!r}; use one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[key], **overrides})
 
     def mask_enabled(self, name: str) -> bool:

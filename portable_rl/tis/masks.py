@@ -27,6 +27,7 @@ import numbers
 
 import jax.numpy as jnp
 
+from portable_rl.errors import ConfigError
 from portable_rl.tis.ratios import (SAFETY_BOUND, as_mask, broadcast_to_tokens, clean_log_ratio,
                                     seq_max, seq_mean, seq_sum)
 
@@ -39,7 +40,7 @@ def check_bounds(low, high, what: str) -> None:
     checked, so bounds may also be traced values inside `jax.jit`."""
     concrete = isinstance(low, numbers.Real) and isinstance(high, numbers.Real)
     if concrete and float(low) > float(high):
-        raise ValueError(f"{what}: lower bound {low} > upper bound {high}; swap them")
+        raise ConfigError(f"{what}: lower bound {low} > upper bound {high}; swap them")
 
 
 def _in_bounds(values, low, high):
@@ -77,7 +78,7 @@ def k1_bounds_from_verl(threshold) -> tuple[float, float]:
         high = float(threshold)
         low = 1.0 / high if high > 0 else math.nan
     if not (low > 0 and high > 0):
-        raise ValueError(f"verl k1 threshold {threshold!r}: both ratio bounds must be > 0, e.g. '0.999_1.001'")
+        raise ConfigError(f"verl k1 threshold {threshold!r}: both ratio bounds must be > 0, e.g. '0.999_1.001'")
     check_bounds(low, high, f"verl k1 threshold {threshold!r}")
     return math.log(low), math.log(high)
 
@@ -131,7 +132,7 @@ def divergence_statistic(log_ratio, estimator: str) -> jnp.ndarray:
         return 0.5 * jnp.square(lr)
     if estimator == "k3":
         return jnp.exp(lr) - 1.0 - lr
-    raise ValueError(f"unknown divergence estimator {estimator!r}; use one of {ESTIMATORS}")
+    raise ConfigError(f"unknown divergence estimator {estimator!r}; use one of {ESTIMATORS}")
 
 
 def divergence_mask(log_ratio, response_mask, estimator: str = "k3", aggregation: str = "seq_mean",
@@ -141,7 +142,7 @@ def divergence_mask(log_ratio, response_mask, estimator: str = "k3", aggregation
     aggregation="token" masks single tokens; the seq_* aggregations keep or drop whole sequences.
     """
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown divergence aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+        raise ConfigError(f"unknown divergence aggregation {aggregation!r}; use one of {AGGREGATIONS}")
     check_bounds(low, high, f"divergence_mask({aggregation}_{estimator})")
     log_ratio = clean_log_ratio(log_ratio, response_mask)
     stat = divergence_statistic(log_ratio, estimator)  # [B, T]
@@ -156,5 +157,5 @@ def parse_divergence(name: str) -> tuple[str, str]:
     aggregation, _, estimator = name.rpartition("_")
     if aggregation not in AGGREGATIONS or estimator not in ESTIMATORS:
         options = [f"{a}_{e}" for a in AGGREGATIONS for e in ESTIMATORS]
-        raise ValueError(f"unknown divergence mask {name!r}; use one of {options}")
+        raise ConfigError(f"unknown divergence mask {name!r}; use one of {options}")
     return estimator, aggregation

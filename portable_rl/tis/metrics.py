@@ -34,6 +34,7 @@ import math
 
 import jax.numpy as jnp
 
+from portable_rl.errors import ConfigError
 from portable_rl.tis.ratios import (SAFETY_BOUND, as_mask, masked_max, masked_mean, masked_min,
                                     masked_std, safe_exp, seq_mean, seq_sum)
 
@@ -50,7 +51,7 @@ def _pearson(x, y, mask):
 def mismatch_metrics(train_logprobs, rollout_logprobs, response_mask, *, clip: float | None = 2.0) -> dict:
     """Diagnostics of π_train vs π_rollout on `[B, T]` logprobs; see the module docstring for keys."""
     if clip is not None and not clip > 0:
-        raise ValueError(f"mismatch_metrics clip must be > 0 (or None for no cap), got {clip}")
+        raise ConfigError(f"mismatch_metrics clip must be > 0 (or None for no cap), got {clip}")
     mask = as_mask(response_mask)  # [B, T]
     has_tokens = mask.any(axis=-1)  # [B]
     a = jnp.where(mask, jnp.asarray(train_logprobs, jnp.float32), 0.0)
