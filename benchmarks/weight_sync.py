@@ -12,10 +12,16 @@ All rates are bytes of the bf16 HF tensors (the payload an engine receives) per 
                 prefix-cache reset): what one sync costs the trainer
   disk          `save_hf_model` (safetensors into /tmp, i.e. the page cache) + vLLM `reload_weights` from
                 that path: the sync a trainer would do without an in-process push
+  sglang copy   convert + what the SGLang adapter does to each bucket before `update_weights_from_tensor`
+                (fused-group-complete buckets of --sglang-bucket-mb, every tensor copied into torch-owned
+                contiguous memory, `sglang_adapter.torch_owned`): the CPU side of the transport, without
+                SGLang's own pickling (which needs the GPU engine)
+  sglang fp8    the same in blockwise mode: projections quantized 128x128 (fresh tensors), the rest copied
 
 Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
 
     python benchmarks/weight_sync.py [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000 --repeats 3]
+    python benchmarks/weight_sync.py --param-dtype bfloat16 --sglang-only   # memcpy, convert, sglang rows
 """
 
 import argparse
@@ -54,12 +60,27 @@ def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:
     return seconds
 
 
+def sglang_transport_times(model, config, bucket_bytes: int, repeats: int) -> tuple[float, float]:
+    """(bf16 / flash_rl, blockwise) seconds for convert + the SGLang adapter's per-bucket transport."""
+    from portable_rl.convert.buckets import bucketed_groups
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines.sglang_adapter import transport_bucket
+
+    def run(fp8_mode):
+        for bucket in bucketed_groups(iter_hf_tensors(model, config), bucket_bytes):
+            transport_bucket(bucket, fp8_mode)  # dropped before the next, as after update_weights_from_tensor
+
+    return timed(lambda: run(None), repeats), timed(lambda: run("blockwise"), repeats)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_size_args(parser, layers=24, hidden=1024, intermediate=4096, heads=16, vocab=32000)
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--sglang-bucket-mb", type=int, default=512, help="SGLangEngine's bucket_bytes default")
+    parser.add_argument("--sglang-only", action="store_true", help="skip the vLLM push and the disk round trip")
     args = parser.parse_args()
 
     import jax
@@ -92,6 +113,20 @@ def main():
             pass  # torch.from_dlpack waits until the JAX computation producing the tensor is done
 
     t_convert = timed(convert, args.repeats)
+    t_sglang, t_sglang_fp8 = sglang_transport_times(model, config, args.sglang_bucket_mb << 20, args.repeats)
+    gib = 2 ** 30
+    if args.sglang_only:
+        rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
+                ("sglang copy: convert + buckets to torch-owned", t_sglang),
+                ("sglang fp8: convert + blockwise quantize / copy", t_sglang_fp8)]
+        print("\n| path | time (s) | GiB/s |\n|---|---|---|")
+        for name, t in rows:
+            print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")
+        print(f"\nsglang copy over convert: +{t_sglang - t_convert:.3f} s per sync "
+              f"({(t_sglang - t_convert) / t_memcpy:.2f}x a memcpy of the payload)")
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     t_update = optimizer_update_time(model, args.param_dtype, args.repeats)
 
     engine = create_engine("vllm", model_path=ckpt, max_model_len=256)
@@ -115,11 +150,12 @@ def main():
     assert engine.generate(probe, sampling)[0].response_token_ids == reference
     engine.close()
 
-    gib = 2 ** 30
     rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
             ("optimizer update (AdamW" + (" + f32 master → bf16 params)" if args.param_dtype == "bfloat16"
                                           else ", f32 params)"), t_update),
-            ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk)]
+            ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk),
+            ("sglang copy: convert + buckets to torch-owned", t_sglang),
+            ("sglang fp8: convert + blockwise quantize / copy", t_sglang_fp8)]
     print("\n| path | time (s) | GiB/s |\n|---|---|---|")
     for name, t in rows:
         print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")

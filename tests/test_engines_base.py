@@ -106,3 +106,61 @@ def test_run_probe_plumbing_and_context_manager():
         with pytest.raises(ProbeMismatchError):
             run_probe(engine, [[3]], lambda p, r: [[-1.5] * len(x) for x in r], threshold=0.5)
     assert engine.closed
+
+
+def test_seed_for_is_seed_plus_i_n_plus_j():
+    sampling = SamplingConfig(n=4, seed=10)
+    assert [sampling.seed_for(i, j) for i in range(2) for j in range(4)] == list(range(10, 18))
+    assert sampling.seed_for(3) == 22 and SamplingConfig(n=4).seed_for(3, 1) is None
+
+
+def test_bucketed_groups_keeps_fused_matrices_together():
+    from portable_rl.convert.buckets import bucketed_groups, fused_group
+
+    layer = "model.layers.3"
+    assert fused_group(f"{layer}.self_attn.k_proj.weight") == f"{layer}.self_attn.qkv_proj.weight"
+    assert fused_group(f"{layer}.self_attn.v_proj.bias") == f"{layer}.self_attn.qkv_proj.bias"
+    assert fused_group(f"{layer}.mlp.up_proj.weight_scale_inv") == f"{layer}.mlp.gate_up_proj.weight_scale_inv"
+    assert fused_group(f"{layer}.self_attn.o_proj.weight") == f"{layer}.self_attn.o_proj.weight"
+    names = [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"] + [f"{layer}.mlp.{p}_proj.weight"
+                                                                      for p in ("gate", "up", "down")]
+    pairs = [(n, torch.zeros(4)) for n in names]  # 16 bytes each
+    buckets = [[n.split(".")[-2] for n, _ in b] for b in bucketed_groups(pairs, bucket_bytes=32)]
+    # q/k/v (48 bytes) and gate/up (32 bytes) are never split, even past the limit
+    assert buckets == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    with pytest.raises(ValueError, match="positive"):
+        list(bucketed_groups(pairs, 0))
+
+
+def test_blockwise_start_checkpoint_is_written_once_and_atomically(tmp_path, monkeypatch):
+    import os
+
+    from portable_rl.convert import quantize
+    from portable_rl.convert.quantize import SOURCE_MARKER, ensure_blockwise_fp8_checkpoint
+    from portable_rl.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
+    root = tmp_path / "run"
+    first = ensure_blockwise_fp8_checkpoint(src, str(root))
+    assert os.path.exists(os.path.join(first, SOURCE_MARKER)) and os.listdir(root) == [os.path.basename(first)]
+    assert ensure_blockwise_fp8_checkpoint(src, str(root)) == first  # found: nothing written again
+
+    # Two writers racing on a fresh root: the second to finish finds the first's copy in place and keeps it.
+    race_root = tmp_path / "race"
+    real_write = quantize.write_blockwise_fp8_checkpoint
+
+    def write_while_another_writer_finishes(s, d, block):
+        real_write(s, d, block)
+        monkeypatch.setattr(quantize, "write_blockwise_fp8_checkpoint", real_write)
+        other.append(ensure_blockwise_fp8_checkpoint(src, str(race_root)))  # completes and renames first
+
+    other = []
+    monkeypatch.setattr(quantize, "write_blockwise_fp8_checkpoint", write_while_another_writer_finishes)
+    won = ensure_blockwise_fp8_checkpoint(src, str(race_root))
+    assert other == [won] and os.listdir(race_root) == [os.path.basename(won)]  # no temporary left over
+    os.remove(os.path.join(won, SOURCE_MARKER))  # a copy that is not complete is refused, not served
+    with pytest.raises(FileExistsError, match="delete it"):
+        ensure_blockwise_fp8_checkpoint(src, str(race_root))
+    (tmp_path / "bf16" / "config.json").touch()  # the source changed: a new copy under a new name
+    os.utime(tmp_path / "bf16" / "config.json", ns=(1, 1))
+    assert ensure_blockwise_fp8_checkpoint(src, str(root)) != first

@@ -149,7 +149,8 @@ def ensure_blockwise_fp8_checkpoint(src: str, root: str, block: tuple[int, int] 
             os.rename(tmp, dst)  # atomic; fails if dst exists (another writer finished first)
         except OSError:
             if not os.path.exists(os.path.join(dst, SOURCE_MARKER)):
-                raise
+                raise FileExistsError(f"{dst} exists but is not a complete FP8 copy (no {SOURCE_MARKER}); "
+                                      "delete it and start again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename
     return dst

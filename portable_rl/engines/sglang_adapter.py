@@ -87,6 +87,17 @@ def torch_owned(pairs: list) -> list:
     return [(name, tensor.detach().clone(memory_format=torch.contiguous_format)) for name, tensor in pairs]
 
 
+def transport_bucket(bucket: list, fp8_mode: str | None) -> list:
+    """A bucket as SGLang receives it: torch-owned copies; in blockwise mode projections as FP8 + scales."""
+    if fp8_mode != "blockwise":
+        return torch_owned(bucket)
+    from portable_rl.convert.quantize import is_quantized_projection, quantize_named_tensors_blockwise
+
+    rest = torch_owned([(n, t) for n, t in bucket if not is_quantized_projection(n)])
+    quantized = list(quantize_named_tensors_blockwise((n, t) for n, t in bucket if is_quantized_projection(n)))
+    return quantized + rest  # the quantizer's outputs are fresh torch tensors already
+
+
 @register("sglang")
 class SGLangEngine(EngineAdapter):
     """`engine_factory` defaults to `sglang.Engine`; tests pass a strict fake with the same API."""
@@ -209,23 +220,15 @@ class SGLangEngine(EngineAdapter):
         self._check(engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in buckets:
-                self._check(engine.update_weights_from_tensor(named_tensors=self._transport(bucket),
-                                                              flush_cache=False), "update_weights_from_tensor")
+                sent = transport_bucket(bucket, self.fp8_mode)
+                self._check(engine.update_weights_from_tensor(named_tensors=sent, flush_cache=False),
+                            "update_weights_from_tensor")
+                del sent  # one bucket's copy alive at a time
         except Exception:
             engine.end_weight_update()  # close the session so the next sync can open one; report the first error
             raise
         self._check(engine.end_weight_update(), "end_weight_update")
         self._check(engine.flush_cache(), "flush_cache")
-
-    def _transport(self, bucket: list) -> list:
-        """A bucket as SGLang receives it: torch-owned copies, FP8-quantized in blockwise mode."""
-        if self.fp8_mode != "blockwise":
-            return torch_owned(bucket)
-        from portable_rl.convert.quantize import is_quantized_projection, quantize_named_tensors_blockwise
-
-        rest = torch_owned([(n, t) for n, t in bucket if not is_quantized_projection(n)])
-        quantized = list(quantize_named_tensors_blockwise((n, t) for n, t in bucket if is_quantized_projection(n)))
-        return quantized + rest  # the quantizer's outputs are fresh torch tensors already
 
     @staticmethod
     def _check(reply: Any, what: str) -> None:
