@@ -172,8 +172,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 last_heldout = m.get("accuracy/heldout", last_heldout)
                 bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
                 if step % checkpoint_every == 0 or step == train_steps or stop.requested:
-                    ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)},
-                               rng=jax.random.key(seed))
+                    ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)})
                 if stop.requested:
                     print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to "
                           "resume", flush=True)

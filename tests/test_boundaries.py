@@ -108,3 +108,15 @@ def test_no_import_circles():
 
     circles = sorted(m for m in graph if reaches(m, m, set()))
     assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_rl_package_docstring_names_only_its_modules():
+    """rl/__init__.py's module list names modules that exist (issue 15: it named a missing `scoring`)."""
+    import re
+
+    import portable_rl.rl as rl
+
+    named = re.findall(r"^- `(\w+)`", rl.__doc__, re.M)
+    assert len(named) > 5
+    missing = [n for n in named if not (PKG / "rl" / f"{n}.py").is_file()]
+    assert not missing, f"rl/__init__.py names missing modules: {missing}"

@@ -140,3 +140,16 @@ def test_gin_search_paths_find_user_files(tmp_path, fresh_gin):
     assert gin_utils.query_value("train.train_steps") == 11
     path = gin_utils.write_config(tmp_path / "run")
     assert "TRAIN_STEPS = 11" in path.read_text()
+
+
+def test_every_gin_file_the_repo_names_exists():
+    """Comments, docs and code that point a reader at gin/....gin point at a file that is there (issue 15)."""
+    import re
+
+    sources = [*GIN.rglob("*.gin"), *(REPO / "docs").glob("*.md"), REPO / "README.md",
+               *(REPO / "portable_rl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+    named = {(m, src.relative_to(REPO)) for src in sources
+             for m in re.findall(r"gin/[\w./-]+?\.gin", src.read_text())}
+    assert len(named) > 10
+    missing = sorted((str(src), name) for name, src in named if not (REPO / name).is_file())
+    assert not missing, missing

@@ -58,7 +58,7 @@ ADV = [1.5, -2.0, 0.5]
 def test_pack_rollouts_packed_rows_by_hand():
     # lengths 6, 3, 9 in rows of 12: 9 → row 0, 6 → row 1, 3 → row 0 (room 3)
     b = pack_rollouts(PROMPTS, RESPONSES, LOGPS, ADV, pad_id=99, pack=True, row_tokens=12)
-    assert b["input_ids"].shape == (2, 12) and b["num_rows"] == 2 and b["num_sequences"] == 3
+    assert b["input_ids"].shape == (2, 12) and batching.num_rows(b) == 2 and batching.num_sequences(b) == 3
     np.testing.assert_array_equal(b["seq_row"], [1, 0, 0])
     np.testing.assert_array_equal(b["seq_start"], [0, 9, 0])
     np.testing.assert_array_equal(b["seq_len"], [6, 3, 9])
@@ -80,7 +80,7 @@ def test_pack_rollouts_packed_rows_by_hand():
 
 def test_unpacked_layout_carries_segment_ids_and_positions():
     b = pack_rollouts(PROMPTS, RESPONSES, LOGPS, ADV, min_len=4, row_multiple=4)
-    assert b["input_ids"].shape == (4, 16) and b["num_rows"] == 3
+    assert b["input_ids"].shape == (4, 16) and batching.num_rows(b) == 3
     np.testing.assert_array_equal(b["segment_ids"], b["attention_mask"])
     np.testing.assert_array_equal(b["positions"][2], list(range(9)) + [0] * 7)
     np.testing.assert_array_equal(b["seq_row"], [0, 1, 2])

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from portable_rl.rl.batching import bucket_length, pack_rollouts, split_rows
+from portable_rl.rl.batching import bucket_length, num_rows, pack_rollouts, split_rows
 from portable_rl.rl.dynamic_sampling import GroupCollector, informative_groups
 from portable_rl.rl.evaluation import pass_at_k, summarize
 from portable_rl.rl.metrics import MetricsWriter, read_metrics
@@ -22,7 +22,7 @@ def test_pack_rollouts_aligns_logprob_t_with_token_t():
     prompts, responses = [[1, 5, 6], [1, 7]], [[8, 9, 2], [3]]
     logps = [[-0.1, -0.2, -0.3], [-0.4]]
     b = pack_rollouts(prompts, responses, logps, [1.5, -2.0], pad_id=0, min_len=4, row_multiple=4)
-    assert b["input_ids"].shape == (4, 8) and b["num_rows"] == 2
+    assert b["input_ids"].shape == (4, 8) and num_rows(b) == 2
     np.testing.assert_array_equal(b["input_ids"][0], [1, 5, 6, 8, 9, 2, 0, 0])
     np.testing.assert_array_equal(b["attention_mask"][1], [1, 1, 1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(b["response_mask"][0], [0, 0, 0, 1, 1, 1, 0, 0])

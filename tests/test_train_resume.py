@@ -113,6 +113,8 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(setup):
     assert learned, "no step had a gradient: the comparison would be vacuous"
     ckpts = sorted(p.name for p in (root / "resumed" / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == ["2", "4"]
+    # no rng in the checkpoints: train saved a constant key(seed) it never read back (issue 15)
+    assert json.loads((root / "resumed" / "checkpoints" / "4" / "meta" / "metadata").read_text())["rng"] is None
     assert (root / "resumed" / "accuracy.png").exists()
 
 

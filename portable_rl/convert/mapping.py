@@ -85,7 +85,3 @@ def param_mappings(config: ModelConfig) -> list[ParamMapping]:
     if not config.tie_word_embeddings:
         rows += _LM_HEAD
     return [ParamMapping(hf, _to_path(p), t) for hf, p, t in rows]
-
-
-def hf_to_nnx(config: ModelConfig) -> dict[str, ParamMapping]:
-    return {m.hf_name: m for m in param_mappings(config)}

@@ -228,7 +228,7 @@ def batch_shards(mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> int:
 
 def shard_batch(batch: Mapping, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> dict:
     """Puts every [B, ...] array of `batch` on the mesh, rows split over the "batch" axes
-    (("data", "fsdp")); other entries (python ints such as num_rows) pass through.
+    (("data", "fsdp")); other entries (scalars) pass through.
 
     With several processes every process must hold the same full batch: each one supplies the
     rows of its own devices (`jax.make_array_from_callback`).

@@ -1,9 +1,15 @@
 """The RL loop's pieces, one concept per file (gin-free; the entry points wire them).
 
-- `batching`: rollouts → right-padded `[B, T]` arrays with a response mask, T bucketed.
+- `codec`: text <-> token ids for prompts and responses (an HF tokenizer directory).
+- `rollout`: generate → decode → score with a registered reward → dynamic sampling, for one step.
+- `async_rollout`: the same one step ahead, overlapping the learner (one-step off-policy).
 - `dynamic_sampling`: keep prompt groups whose rewards are not all equal (DAPO).
-- `scoring`: decode responses and score them with a registered reward.
+- `dapo`: the algorithm settings, advantages and the training batch.
+- `batching`: rollouts → `[B, T]` rows (packed or one per row) with a response mask; micro-batches.
+- `learner`: old logprobs, rollout correction, mini-batch updates (the learner side of a step).
+- `sync`: weight push (learner → engine) and the post-sync probe.
 - `evaluation`: held-out accuracy, pass@k and mean length through an engine.
 - `metrics`: metrics.jsonl + TensorBoard writer (resumable); `plots`: PNG curves.
-- `dapo`: the algorithm settings and one training step.
+- `preemption`: stop cleanly on SIGTERM (finish the step, checkpoint).
+- `warmstart`: the supervised warm start of the default run's tiny policy.
 """

@@ -221,8 +221,8 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
                   response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
                   pad_id: int = 0, min_len: int = 16, row_multiple: int = 1, pack: bool = False,
                   row_tokens: int | None = None) -> dict:
-    """Returns the `ROW_KEYS` arrays, the `SEQ_KEYS` index, `num_rows` (rows holding a sequence) and
-    `num_sequences` (python ints).
+    """Returns the `ROW_KEYS` arrays and the `SEQ_KEYS` index: every value a numpy array (`num_rows(batch)`
+    and `num_sequences(batch)` count rows holding a sequence and sequences).
 
     pack=False: one sequence per row (module doc). pack=True: rows of `row_tokens` (default
     `packed_row_length` of the longest sequence), their count rounded by `round_rows(., row_multiple)`.
@@ -239,9 +239,18 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     out = layout.arrays(view)
     out["input_ids"][out["segment_ids"] == 0] = pad_id
     out.update(seq_row=layout.row.astype(np.int32), seq_start=layout.start.astype(np.int32),
-               seq_len=lengths, prompt_len=prompt_len,
-               num_rows=int(len(np.unique(layout.row))), num_sequences=n)
+               seq_len=lengths, prompt_len=prompt_len)
     return out
+
+
+def num_rows(batch: dict) -> int:
+    """Rows of a `pack_rollouts` batch that hold at least one sequence (the rest is row padding)."""
+    return int(len(np.unique(batch["seq_row"])))
+
+
+def num_sequences(batch: dict) -> int:
+    """Sequences in a `pack_rollouts` batch."""
+    return int(len(batch["seq_len"]))
 
 
 def padding_fraction(batch: dict) -> float:
@@ -255,6 +264,6 @@ def split_rows(arrays: dict, rows_per_split: int):
     b = arrays["input_ids"].shape[0]
     if b % rows_per_split:
         raise ValueError(f"batch of {b} rows is not a multiple of rows_per_split={rows_per_split}")
-    rows = {k: v for k, v in arrays.items() if isinstance(v, np.ndarray) and k not in SEQ_KEYS and v.shape[:1] == (b,)}
+    rows = {k: v for k, v in arrays.items() if k not in SEQ_KEYS and v.shape[:1] == (b,)}
     for s in range(0, b, rows_per_split):
         yield {k: v[s:s + rows_per_split] for k, v in rows.items()}

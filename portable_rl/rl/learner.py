@@ -1,4 +1,4 @@
-"""The learner side of one RL step: old logprobs, rollout correction, mini-batch updates, weight push.
+"""The learner side of one RL step: old logprobs, rollout correction, mini-batch updates (rl/sync.py pushes weights).
 
     old_t          = log_softmax(π_θ_old(x_<t) / T)[x_t]        recomputed by the Flax policy (fp32)
     w_t, keep_t    = tis.apply_rollout_correction(cfg, old, rollout, response_mask)

@@ -83,7 +83,6 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
                                              if n else e.answer) for e, n in zip(examples, noisy)]
             batch = pack_rollouts(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * len(answers),
                                   pad_id=codec.pad_id)
-            batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
             metrics = train_step(model, optimizer, batch)
             if step + 1 in snapshot_steps:
                 snap = Path(f"{output_dir}_step{step + 1}")
