@@ -1,7 +1,8 @@
 """The RL loop's pieces, one concept per file (gin-free; the entry points wire them).
 
 - `codec`: text <-> token ids for prompts and responses (an HF tokenizer directory).
-- `rollout`: generate → decode → score with a registered reward → dynamic sampling, for one step.
+- `scoring`: encode → generate → decode → reward, shared by training and evaluation.
+- `rollout`: one step's draws of scored groups → dynamic sampling, with the rollout stats.
 - `async_rollout`: the same one step ahead, overlapping the learner (one-step off-policy).
 - `dynamic_sampling`: keep prompt groups whose rewards are not all equal (DAPO).
 - `dapo`: the algorithm settings, advantages and the training batch.

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from portable_rl.rl.scoring import generate_and_score
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     if k > n:
@@ -41,11 +43,9 @@ def evaluate_examples(engine, codec, examples, reward_fn: Callable[[str, str], f
     records, correct, lengths = [], [], []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        rollouts = engine.generate([codec.encode_prompt(e.prompt) for e in chunk], sampling)
-        for r in rollouts:
+        scored = generate_and_score(engine, codec, chunk, reward_fn, sampling)
+        for r, text, score in zip(scored.rollouts, scored.texts, scored.scores):
             ex = chunk[r.prompt_index]
-            text = codec.decode_response(r.response_token_ids)
-            score = reward_fn(text, ex.answer)
             records.append({"prompt": ex.prompt, "answer": ex.answer, "response": text, "reward": score,
                             "length": len(r.response_token_ids)})
             correct.append(score >= 1.0)

@@ -20,6 +20,7 @@ import numpy as np
 from portable_rl.engines.base import SamplingConfig
 from portable_rl.errors import UserError
 from portable_rl.rl.dynamic_sampling import GroupCollector
+from portable_rl.rl.scoring import generate_and_score
 
 
 class NonFiniteLogprobsError(UserError, RuntimeError):
@@ -46,9 +47,8 @@ def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int)
         sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_response_tokens,
                                   n=cfg.n_samples, seed=sampling_seed(seed, step, draw),
                                   stop_token_ids=(codec.eos_id,))
-        rollouts = engine.generate([codec.encode_prompt(e.prompt) for e in examples], sampling)
-        rewards = np.array([reward_fn(codec.decode_response(r.response_token_ids),
-                                      examples[r.prompt_index].answer) for r in rollouts], np.float32)
+        scored = generate_and_score(engine, codec, examples, reward_fn, sampling)
+        rollouts, rewards = scored.rollouts, scored.rewards
         groups = [ScoredGroup(examples[p], rollouts[p * cfg.n_samples:(p + 1) * cfg.n_samples],
                               rewards[p * cfg.n_samples:(p + 1) * cfg.n_samples]) for p in range(len(examples))]
         collector.add(groups, rewards, cfg.n_samples)
