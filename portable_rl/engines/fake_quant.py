@@ -21,10 +21,10 @@ and the lm_head/embedding are the most precision-sensitive).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from portable_rl.engines.base import EngineAdapter, NamedTensors, Rollout, SamplingConfig, flatten_named_tensors
+from portable_rl.engines.checkpoint import safetensors_files
 from portable_rl.engines.registry import create_engine, register
 
 
@@ -32,10 +32,7 @@ def read_checkpoint_tensors(model_path: str) -> list:
     """Every (hf_name, tensor) of the safetensors files in `model_path`."""
     from safetensors.torch import load_file
 
-    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-    return [pair for f in files for pair in load_file(os.path.join(model_path, f)).items()]
+    return [pair for path in safetensors_files(model_path) for pair in load_file(path).items()]
 
 
 @register("fake_quant")
