@@ -37,6 +37,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
     hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
+    Several JAX processes (`python -m portable_rl.launch`): process 0 owns the engine and the logs, the
+    others follow it (rl/roles.py); every process runs the same sharded step and checkpoint.
     Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
     ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
     (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
@@ -54,17 +56,15 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.learner_jax.checkpoint import Checkpointer
     from portable_rl.learner_jax.sharding import make_mesh
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
-    from portable_rl.rl.evaluation import evaluate_examples
+    from portable_rl.rl.dapo import DapoConfig
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.metrics import MetricsWriter
-    from portable_rl.rl.async_rollout import RolloutPrefetcher
-    from portable_rl.rl.plots import write_plots
+    from portable_rl.rl.multihost import Processes
     from portable_rl.rl.preemption import StopRequest
-    from portable_rl.rl.rollout import check_nonfinite_fraction, collect_groups
-    from portable_rl.rl.sync import push_weights, run_probe
+    from portable_rl.rl.roles import EngineSide, FollowerSide
+    from portable_rl.rl.rollout import check_nonfinite_fraction
     from portable_rl.engines.base import SamplingConfig
-    from portable_rl.tasks import data_metrics, get_reward
+    from portable_rl.tasks import get_reward
 
     cfg = algorithm or DapoConfig()
     memory = MemoryConfig(attention_impl=attention_impl, pack_sequences=pack_sequences,
@@ -73,11 +73,17 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    procs = Processes.current()  # several JAX processes: process 0 drives the engine (rl/multihost.py)
+    if procs.multiple and mesh is None:
+        raise ValueError(f"{procs.count} JAX processes need a device mesh over all of them: compose "
+                         "--gin_file=gin/learner/mesh.gin (or set train.mesh)")
     if not (Path(model_path) / "config.json").exists():
         if warmstart_fn is None:
             raise FileNotFoundError(f"no HF checkpoint at {model_path}; set MODEL_PATH or configure train.warmstart_fn")
-        print(f"[train] starting checkpoint {model_path} missing: running the warm start")
-        warmstart_fn(output_dir=model_path)
+        if procs.is_driver:  # written once; the other processes wait for it
+            print(f"[train] starting checkpoint {model_path} missing: running the warm start")
+            warmstart_fn(output_dir=model_path)
+        procs.barrier("warm start written")
 
     codec = TextCodec(model_path, chat_template=chat_template)
     reward_fn = get_reward(task.reward)
@@ -98,55 +104,36 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     if ckpts.latest_step() is not None:
         start_step = ckpts.restore(model, optimizer).step
         print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
-    writer = MetricsWriter(run_dir, resume_step=start_step if start_step else -1)  # fresh run: clear rows
-
     held_out = list(task.eval_examples())[:eval_size]
-    probe_ids = [codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]]
-    greedy = SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
-                            stop_token_ids=(codec.eos_id,))
-
-    def heldout_accuracy():
-        summary, _ = evaluate_examples(engine, codec, held_out, reward_fn, greedy)
-        return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
-
-    engine = engine_factory(model_path=model_path)
-
-    def generate(step):  # data and sampling seeds depend only on (seed, step, draw): resumable
-        return collect_groups(engine, codec, task, reward_fn, cfg, step=step, seed=seed)
-
-    prefetch = RolloutPrefetcher(generate) if async_rollouts else None
-    ready = None  # async: (step, (groups, stats), generation seconds) of the batch generated during training
+    if procs.is_driver:  # the engine, the task draws, evaluation and the logs (rl/roles.py)
+        side = EngineSide(
+            writer=MetricsWriter(run_dir, resume_step=start_step if start_step else -1),  # fresh run: clear rows
+            engine=engine_factory(model_path=model_path), codec=codec, task=task, reward_fn=reward_fn, cfg=cfg,
+            seed=seed, held_out=held_out, probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
+            greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
+                                  stop_token_ids=(codec.eos_id,)),
+            bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs)
+    else:  # receives the driver's batches and joins every collective
+        side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
     rows = []
     try:
         t_sync = time.perf_counter()
         if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
-            push_weights(engine, model, model_config, sync_bucket_mb)
+            side.push(model, model_config)
         else:
-            rows.append(writer.write(0, {**heldout_accuracy(), "time/sync": time.perf_counter() - t_sync}))
-        last_heldout = rows[-1]["accuracy/heldout"] if rows else float("nan")
+            rows.append(side.write(0, {**side.heldout(), "time/sync": time.perf_counter() - t_sync}))
+        last_heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
         bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
-                   desc="train", disable=not progress, dynamic_ncols=True)
+                   desc="train", disable=not progress or not procs.is_driver, dynamic_ncols=True)
         with StopRequest() as stop:
             for step in bar:
-                m, t0 = {}, time.perf_counter()
-                if prefetch is None:
-                    groups, gen_stats = generate(step)
-                    gen_seconds = time.perf_counter() - t0
-                else:
-                    if ready is None:  # first step after (re)start: nothing to overlap with yet
-                        prefetch.submit(step)
-                        ready = prefetch.wait()
-                    (_, (groups, gen_stats), gen_seconds), ready = ready, None
-                    if step < train_steps and not stop.requested:
-                        prefetch.submit(step + 1)  # sampled with the engine's current weights, θ_{step-1}
-                m.update(gen_stats)
-                m.update(data_metrics(task))  # malformed dataset rows skipped so far (data/skipped_*)
+                t0 = time.perf_counter()
+                # The same batch and step metrics on every process (the driver's broadcast).
+                batch, m, gen_seconds = side.rollouts(step, prefetch_next=step < train_steps and not stop.requested)
                 # NaN/inf rollout logprobs are masked out of the loss; too many mean a broken engine: stop.
-                check_nonfinite_fraction(gen_stats, cfg.max_nonfinite_fraction)
+                check_nonfinite_fraction(m, cfg.max_nonfinite_fraction)
                 t1 = time.perf_counter()
-                if groups:
-                    batch, batch_stats = build_batch(cfg, groups, codec.pad_id)
-                    m.update(batch_stats)
+                if batch is not None:
                     prepared = learner.correct(batch)   # old logprobs, rollout correction, micro-batches
                     m.update(prepared.metrics)
                     t2 = time.perf_counter()
@@ -154,54 +141,57 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 else:  # every group had equal rewards in every draw: nothing to learn from this step
                     t2 = time.perf_counter()
                 t3 = time.perf_counter()
-                if prefetch is not None and prefetch.pending_step is not None:
-                    ready = prefetch.wait()  # the engine must be idle before its weights change
+                side.wait_rollouts()  # async: the engine must be idle before its weights change
                 t_push = time.perf_counter()
-                push_weights(engine, model, model_config, sync_bucket_mb)
+                side.push(model, model_config)
                 t4 = time.perf_counter()
                 if probe_prompts:
-                    m.update(run_probe(engine, learner, probe_ids, temperature=cfg.temperature,
-                                       max_tokens=cfg.max_response_tokens, pad_id=codec.pad_id))
+                    m.update(side.probe(learner))
                 if eval_every and (step % eval_every == 0 or step == train_steps):
-                    m.update(heldout_accuracy())
+                    m.update(side.heldout())
                 m.update({"time/generate": gen_seconds, "time/logprob": t2 - t1, "time/train": t3 - t2,
                           "time/sync": t4 - t_push, "time/step": time.perf_counter() - t0})
-                if prefetch is not None:  # time the main thread sat idle waiting for rollouts
+                if async_rollouts:  # time the main thread sat idle waiting for rollouts
                     m["time/wait_rollouts"] = (t1 - t0) + (t_push - t3)
-                rows.append(writer.write(step, m))
+                rows.append(side.write(step, m))
                 last_heldout = m.get("accuracy/heldout", last_heldout)
                 bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
-                if step % checkpoint_every == 0 or step == train_steps or stop.requested:
+                stop_now = procs.any(stop.requested)  # a SIGTERM on any process stops all at this step
+                if step % checkpoint_every == 0 or step == train_steps or stop_now:
                     ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)})
-                if stop.requested:
+                if stop_now:
                     print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to "
                           "resume", flush=True)
                     break
         ckpts.close()
     finally:
-        if prefetch is not None:
-            prefetch.close()
-        writer.close()
-        engine.close()
-    write_plots(run_dir)
+        side.close()
+    side.plots(run_dir)
     return rows
 
 
 def main(configured_train: Callable = train):
     from portable_rl import gin_utils
+    from portable_rl.rl.multihost import Processes
 
+    driver = Processes.current().is_driver  # the run directory's files are written once, by process 0
     run_dir = gin_utils.query_value("train.run_dir")
-    gin_utils.write_config(run_dir, "config.gin")
+    if driver:
+        gin_utils.write_config(run_dir, "config.gin")
     rows = configured_train()
-    gin_utils.write_config(run_dir, "operative_config.gin", operative=True)
+    if driver:
+        gin_utils.write_config(run_dir, "operative_config.gin", operative=True)
     last = rows[-1] if rows else {}
     print(f"[train] done: {run_dir} (step {last.get('step')}, held-out accuracy {last.get('accuracy/heldout')})")
 
 
 def cli(argv=None):
-    """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`."""
+    """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`. Joins the other JAX
+    processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
     from portable_rl import gin_utils
+    from portable_rl.launch import initialize_from_environment
 
+    initialize_from_environment()
     configured = gin_utils.register_configurable(train, name="train")
     gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])
 

@@ -14,6 +14,12 @@ silently: a committed step that fails to read means damaged storage or a wrong R
 fallback would throw away training and the metrics logged since the previous step without a word.
 (Sizes catch truncation and missing files, not bit flips inside a file of the right size.)
 
+Several JAX processes (a multi-host learner): every process calls `save` / `restore` with its part of
+the sharded arrays; orbax writes each shard once (replicated ones from one process) and reads back what
+each process needs. Process 0 alone moves incomplete steps aside and writes `COMMITTED`, after a barrier
+that every process reaches only once its shards are written; a process that dies mid-save never gets
+there, so its step stays uncommitted. The directory must be shared by all processes (one box, NFS, GCS).
+
     ckpt = Checkpointer(directory, max_to_keep=3)
     ckpt.save(step, model, optimizer, extra={"data_cursor": 123}, rng=key)
     restored = ckpt.restore(model, optimizer)        # updates model / optimizer in place
@@ -83,6 +89,7 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory} ({e.strerror or e}); "
                                   f"fix its permissions or choose another run directory (RUN_DIR)") from e
+        _barrier("checkpoint directory ready")  # every process then lists the same committed steps
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -114,11 +121,14 @@ class Checkpointer:
             items["optimizer"] = ocp.args.StandardSave(_str_keys(nnx.to_pure_dict(nnx.state(optimizer))))
         self._manager.save(step, args=ocp.args.Composite(**items))
         self._manager.wait_until_finished()
-        step_dir = self.directory / str(step)
-        marker = step_dir / COMMIT_MARKER
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "files": _file_sizes(step_dir)}) + "\n")
-        os.replace(tmp, marker)
+        _barrier(f"checkpoint {step} written")  # every process's shards are on disk
+        if jax.process_index() == 0:
+            step_dir = self.directory / str(step)
+            marker = step_dir / COMMIT_MARKER
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": step, "files": _file_sizes(step_dir)}) + "\n")
+            os.replace(tmp, marker)
+        _barrier(f"checkpoint {step} committed")
 
     def _committed_step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
@@ -191,6 +201,21 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_barriers = 0
+
+
+def _barrier(name: str, timeout_s: int = 3600) -> None:
+    """All JAX processes wait here (JAX's coordination service); nothing with one process. Every process
+    makes the same barrier calls in the same order, so the counter gives each one the same unique id."""
+    global _barriers
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    _barriers += 1
+    distributed.global_state.client.wait_at_barrier(f"{name} #{_barriers}", timeout_in_ms=timeout_s * 1000)
 
 
 def _file_sizes(step_dir: Path) -> dict[str, int]:

@@ -1,0 +1,146 @@
+"""The two roles a process plays in the training loop (train.py): the engine side, or a follower.
+
+    EngineSide: the only process, or process 0 (the driver)      FollowerSide: processes 1 .. N-1
+    ───────────────────────────────────────────────────────      ────────────────────────────────
+    rollouts(step): task draws → engine → rewards → dynamic        rollouts(step): the driver's broadcast
+        sampling → broadcast (kept rollouts, step metrics)            → the same batch
+        → batch + advantages (dapo.build_batch)
+    wait_rollouts(): async: the in-flight generation               (nothing)
+    push(): weight export (gathers) → torch → engine reload        push(): the same export, gathers only
+    probe(): engine samples, the learner scores                    probe(): the learner scores the same rows
+    heldout(): greedy held-out accuracy through the engine         heldout(): {}
+    write(step, m): metrics.jsonl + TensorBoard; plots()           write: the row, nothing written
+
+train.py asks once which role this process has and then calls the same methods in the same order on
+every process, so every collective (rl/multihost.py) is joined by all of them. With one process the engine
+side broadcasts nothing and the loop is the single-process loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+from portable_rl.rl.async_rollout import RolloutPrefetcher
+from portable_rl.rl.dapo import build_batch
+from portable_rl.rl.evaluation import evaluate_examples
+from portable_rl.rl.multihost import Processes, groups_from_wire, groups_to_wire, wire_bytes
+from portable_rl.rl.rollout import collect_groups
+from portable_rl.rl.sync import follow_probe, join_weight_export, push_weights, run_probe
+
+
+def batch_of(cfg, groups, pad_id: int, metrics: dict):
+    """The step's batch (`dapo.build_batch`, adding its stats to `metrics`), or None when no group was kept
+    (every group had equal rewards in every draw: nothing to learn from this step)."""
+    if not groups:
+        return None
+    batch, batch_stats = build_batch(cfg, groups, pad_id)
+    metrics.update(batch_stats)
+    return batch
+
+
+class EngineSide:
+    """Owns the engine, the task draws, evaluation and the run directory's logs."""
+
+    def __init__(self, *, engine, writer, codec, task, reward_fn, cfg, seed: int, held_out, greedy, probe_ids,
+                 bucket_mb: int, async_rollouts: bool, procs: Processes = Processes()):
+        self.engine, self.writer, self.codec, self.task, self.reward_fn = engine, writer, codec, task, reward_fn
+        self.cfg, self.seed, self.held_out, self.greedy, self.probe_ids = cfg, seed, held_out, greedy, probe_ids
+        self.bucket_mb, self.procs = bucket_mb, procs
+        self.prefetch = RolloutPrefetcher(self._generate) if async_rollouts else None
+        self._ready = None  # async: (step, (groups, stats), generation seconds) generated during training
+
+    def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
+        return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
+                              seed=self.seed)
+
+    def rollouts(self, step: int, *, prefetch_next: bool):
+        """→ (batch or None when no group was kept, step metrics, generation seconds). The kept rollouts and
+        the metrics are broadcast to the other processes, which build the same batch. `prefetch_next`
+        (async): start generating step + 1."""
+        from portable_rl.tasks import data_metrics
+
+        t0 = time.perf_counter()
+        if self.prefetch is None:
+            groups, stats = self._generate(step)
+            seconds = time.perf_counter() - t0
+        else:
+            if self._ready is None:  # first step after (re)start: nothing to overlap with yet
+                self.prefetch.submit(step)
+                self._ready = self.prefetch.wait()
+            (_, (groups, stats), seconds), self._ready = self._ready, None
+            if prefetch_next:
+                self.prefetch.submit(step + 1)  # sampled with the engine's current weights, θ_{step-1}
+        metrics = {**stats, **data_metrics(self.task)}  # data/skipped_*: malformed dataset rows so far
+        if self.procs.multiple:  # every process builds the batch from the same compact rollouts
+            t_broadcast = time.perf_counter()
+            wire, metrics = self.procs.broadcast((groups_to_wire(groups) if groups else None, metrics))
+            groups = groups_from_wire(wire) if wire else []
+            metrics.update({"time/broadcast": time.perf_counter() - t_broadcast,
+                            "multihost/broadcast_bytes": wire_bytes(wire)})
+        return batch_of(self.cfg, groups, self.codec.pad_id, metrics), metrics, seconds
+
+    def wait_rollouts(self) -> None:
+        """The engine must be idle before its weights change: wait for an in-flight generation."""
+        if self.prefetch is not None and self.prefetch.pending_step is not None:
+            self._ready = self.prefetch.wait()
+
+    def push(self, model, model_config) -> None:
+        push_weights(self.engine, model, model_config, self.bucket_mb)
+
+    def probe(self, learner) -> dict:
+        return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,
+                         max_tokens=self.cfg.max_response_tokens, pad_id=self.codec.pad_id,
+                         share=self.procs.broadcast)
+
+    def heldout(self) -> dict:
+        summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)
+        return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
+
+    def write(self, step: int, metrics: dict) -> dict:
+        return self.writer.write(step, metrics)
+
+    def plots(self, run_dir) -> None:
+        from portable_rl.rl.plots import write_plots
+
+        write_plots(run_dir)
+
+    def close(self) -> None:
+        try:
+            if self.prefetch is not None:
+                self.prefetch.close()
+            self.writer.close()
+        finally:
+            self.engine.close()
+
+
+class FollowerSide:
+    """Any process but the driver: receives what the driver broadcasts and joins every collective."""
+
+    def __init__(self, procs: Processes, *, cfg, pad_id: int):
+        self.procs, self.cfg, self.pad_id = procs, cfg, pad_id
+
+    def rollouts(self, step: int, *, prefetch_next: bool):
+        wire, metrics = self.procs.broadcast()
+        return batch_of(self.cfg, groups_from_wire(wire) if wire else [], self.pad_id, metrics), metrics, 0.0
+
+    def wait_rollouts(self) -> None:
+        pass
+
+    def push(self, model, model_config) -> None:
+        join_weight_export(model, model_config)
+
+    def probe(self, learner) -> dict:
+        follow_probe(learner, self.procs.broadcast)
+        return {}
+
+    def heldout(self) -> dict:
+        return {}
+
+    def write(self, step: int, metrics: dict) -> dict:
+        return {"step": int(step), **metrics}
+
+    def plots(self, run_dir) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
