@@ -21,7 +21,7 @@ The issue's checklist → tests (here unless a file is named):
                                  tests/test_micro_batches.py::test_sequence_over_the_token_budget_is_a_one_line_error
 - a memory knob this machine cannot run, a bad remat name, an out-of-range algorithm / correction setting
   (issue 15: every one a `portable_rl.errors.UserError`): test_cli_bad_input_ends_with_one_line[attention,
-                                 remat, algorithm, correction], test_every_user_facing_error_is_a_user_error
+                                 remat, algorithm, correction, task_setting], test_every_user_facing_error_is_a_user_error
 - corrupt / incomplete checkpoint on resume:
     no COMMITTED marker:         tests/test_checkpoint.py::test_partially_written_step_is_never_restored
     committed but damaged:       test_damaged_committed_checkpoint_names_directory_and_fix,
@@ -98,6 +98,7 @@ CLI_CASES = {
     "remat": (["--gin.train.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
     "algorithm": (["--gin.rl.DapoConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
     "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
+    "task_setting": (["--gin.tasks.ArithmeticTask.num_digits=0"], "num_digits=0 must be >= 1"),
 }
 
 

@@ -19,13 +19,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from portable_rl.errors import ConfigError
+
 
 def make_schedule(learning_rate: float, warmup_steps: int = 0, total_steps: int | None = None,
                   schedule: str = "constant") -> optax.Schedule:
     if schedule not in ("constant", "cosine"):
-        raise ValueError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
+        raise ConfigError(f"unknown schedule {schedule!r}; expected 'constant' or 'cosine'")
     if schedule == "cosine" and not total_steps:
-        raise ValueError("schedule='cosine' needs total_steps > 0")
+        raise ConfigError("schedule='cosine' needs total_steps > 0")
     warmup = max(int(warmup_steps), 0)
 
     def lr(step):

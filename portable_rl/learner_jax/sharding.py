@@ -39,6 +39,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from portable_rl.errors import ConfigError
+
 _log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -90,9 +92,9 @@ class MeshConfig:
     def __post_init__(self):
         sizes = dataclasses.astuple(self)
         if any(not isinstance(s, int) or (s < 1 and s != -1) for s in sizes):
-            raise ValueError(f"MeshConfig sizes must be positive ints or -1, got {self}")
+            raise ConfigError(f"MeshConfig sizes must be positive ints or -1, got {self}")
         if sizes.count(-1) > 1:
-            raise ValueError(f"MeshConfig: at most one axis may be -1 (fill), got {self}")
+            raise ConfigError(f"MeshConfig: at most one axis may be -1 (fill), got {self}")
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -101,12 +103,12 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise ValueError(f"mesh {cfg}: the fixed axes ({known} devices) do not divide the "
-                             f"{num_devices} devices; choose sizes whose product divides {num_devices}")
+            raise ConfigError(f"mesh {cfg}: the fixed axes ({known} devices) do not divide the "
+                              f"{num_devices} devices; choose sizes whose product divides {num_devices}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(f"mesh {cfg} needs data*fsdp*tensor = {math.prod(sizes)} devices but there are "
-                         f"{num_devices}; set one axis to -1 or pass devices= with that many devices")
+        raise ConfigError(f"mesh {cfg} needs data*fsdp*tensor = {math.prod(sizes)} devices but there are "
+                          f"{num_devices}; set one axis to -1 or pass devices= with that many devices")
     return tuple(sizes)
 
 

@@ -15,12 +15,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from portable_rl.errors import ConfigError
 from portable_rl.rl.scoring import generate_and_score
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got n={n}")
+        raise ConfigError(f"pass@{k} needs at least {k} samples per problem, got n={n}")
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)

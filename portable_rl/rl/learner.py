@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from portable_rl import tis
+from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
 from portable_rl.learner_jax.memory import MemoryConfig
@@ -141,8 +142,8 @@ class Learner:
             shard_model_and_optimizer(model, optimizer, mesh)
             unpacked_one_call = not self.memory.pack_sequences and self.memory.max_tokens_per_micro_batch is None
             if unpacked_one_call and cfg.rows_per_minibatch % self.shards:
-                raise ValueError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
-                                 f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
+                raise ConfigError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
+                                  f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
         fns = _jitted(_LossSettings(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.policy_loss_mode),
                       cfg.temperature, self.memory.logprob_chunk_tokens, correction)
         self._logprobs, self._row_logprobs, self._correct = fns["logprobs"], fns["row_logprobs"], fns["correct"]

@@ -13,6 +13,7 @@ import operator
 
 import numpy as np
 
+from portable_rl.errors import ConfigError
 from portable_rl.tasks.base import Example, GeneratedTask
 from portable_rl.tasks.rewards import get_reward
 
@@ -33,13 +34,13 @@ class ArithmeticTask(GeneratedTask):
         get_reward(self.reward)  # an unknown reward name fails here, before any model is loaded
         bad = set(self.ops) - set(_OPS)
         if not self.ops or bad:
-            raise ValueError(f"ops={self.ops!r} has unsupported operators {sorted(bad)}; use a subset of '+-*'")
+            raise ConfigError(f"ops={self.ops!r} has unsupported operators {sorted(bad)}; use a subset of '+-*'")
         if self.num_digits < 1:
-            raise ValueError(f"num_digits={self.num_digits} must be >= 1")
+            raise ConfigError(f"num_digits={self.num_digits} must be >= 1")
         space = len(self.ops) * (10 ** self.num_digits) ** 2
         if self.num_eval > space // 4:
-            raise ValueError(f"num_eval={self.num_eval} is too large for {space} distinct problems; "
-                             f"lower num_eval or raise num_digits")
+            raise ConfigError(f"num_eval={self.num_eval} is too large for {space} distinct problems; "
+                              f"lower num_eval or raise num_digits")
         self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:

@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 
+from portable_rl.errors import ConfigError
 from portable_rl.tasks.base import Example, GeneratedTask
 from portable_rl.tasks.rewards import get_reward, register_reward
 
@@ -107,13 +108,13 @@ class WordProblemsTask(GeneratedTask):
     def __post_init__(self):
         get_reward(self.reward)  # an unknown reward name fails here, before any model is loaded
         if not 1 <= self.min_ops <= self.max_ops:
-            raise ValueError(f"min_ops={self.min_ops}, max_ops={self.max_ops}: need 1 <= min_ops <= max_ops")
+            raise ConfigError(f"min_ops={self.min_ops}, max_ops={self.max_ops}: need 1 <= min_ops <= max_ops")
         if self.max_start < 5:
-            raise ValueError(f"max_start={self.max_start} must be >= 5 (the smallest starting quantity)")
+            raise ConfigError(f"max_start={self.max_start} must be >= 5 (the smallest starting quantity)")
         if self.max_amount < 1:
-            raise ValueError(f"max_amount={self.max_amount} must be >= 1")
+            raise ConfigError(f"max_amount={self.max_amount} must be >= 1")
         if self.num_eval < 0:
-            raise ValueError(f"num_eval={self.num_eval} must be >= 0")
+            raise ConfigError(f"num_eval={self.num_eval} must be >= 0")
         self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:
