@@ -32,7 +32,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, async_rollouts: bool = False,
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
-          remat: str = "none", progress: bool = True) -> list[dict]:
+          remat: str = "none", progress: bool = True, memory_plan=None) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
@@ -43,7 +43,18 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
     (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
     `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
+    `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
+    learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
+    learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
     """
+    from portable_rl.rl.colocation import TimeSharing
+
+    budget = None
+    if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
+        from portable_rl.memory_plan import prepare
+
+        budget = prepare(memory_plan)
+    timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=async_rollouts)
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -105,33 +116,38 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         start_step = ckpts.restore(model, optimizer).step
         print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
     held_out = list(task.eval_examples())[:eval_size]
-    if procs.is_driver:  # the engine, the task draws, evaluation and the logs (rl/roles.py)
-        side = EngineSide(
-            writer=MetricsWriter(run_dir, resume_step=start_step if start_step else -1),  # fresh run: clear rows
-            engine=engine_factory(model_path=model_path), codec=codec, task=task, reward_fn=reward_fn, cfg=cfg,
-            seed=seed, held_out=held_out, probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
-            greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
-                                  stop_token_ids=(codec.eos_id,)),
-            bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs)
-    else:  # receives the driver's batches and joins every collective
-        side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
-    rows = []
-    try:
-        t_sync = time.perf_counter()
-        if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
-            side.push(model, model_config)
-        else:
-            rows.append(side.write(0, {**side.heldout(), "time/sync": time.perf_counter() - t_sync}))
-        last_heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
-        bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
-                   desc="train", disable=not progress or not procs.is_driver, dynamic_ncols=True)
-        with StopRequest() as stop:
+    # Installed before the engine starts: a SIGTERM from here on stops the run after its next complete step.
+    with StopRequest() as stop:
+        if procs.is_driver:  # the engine, the task draws, evaluation and the logs (rl/roles.py)
+            side = EngineSide(
+                writer=MetricsWriter(run_dir, resume_step=start_step if start_step else -1),  # fresh run: clear rows
+                engine=engine_factory(model_path=model_path, **(budget.engine_kwargs() if budget else {})),
+                codec=codec, task=task, reward_fn=reward_fn,
+                cfg=cfg, seed=seed, held_out=held_out,
+                probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
+                greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
+                                      stop_token_ids=(codec.eos_id,)),
+                bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs)
+        else:  # receives the driver's batches and joins every collective
+            side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
+        timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it
+        rows = []
+        try:
+            t_sync = time.perf_counter()
+            if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
+                side.push(model, model_config)
+            else:
+                rows.append(side.write(0, {**side.heldout(), "time/sync": time.perf_counter() - t_sync}))
+            last_heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
+            bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
+                       desc="train", disable=not progress or not procs.is_driver, dynamic_ncols=True)
             for step in bar:
                 t0 = time.perf_counter()
                 # The same batch and step metrics on every process (the driver's broadcast).
                 batch, m, gen_seconds = side.rollouts(step, prefetch_next=step < train_steps and not stop.requested)
                 # NaN/inf rollout logprobs are masked out of the loss; too many mean a broken engine: stop.
                 check_nonfinite_fraction(m, cfg.max_nonfinite_fraction)
+                timeshare.learner_phase()  # sleep_engine: the engine's memory is the learner's until the push
                 t1 = time.perf_counter()
                 if batch is not None:
                     prepared = learner.correct(batch)   # old logprobs, rollout correction, micro-batches
@@ -142,15 +158,18 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                     t2 = time.perf_counter()
                 t3 = time.perf_counter()
                 side.wait_rollouts()  # async: the engine must be idle before its weights change
+                timeshare.push_phase()  # weights back for the push; the KV cache only after it
                 t_push = time.perf_counter()
                 side.push(model, model_config)
                 t4 = time.perf_counter()
+                timeshare.generate_phase()
                 if probe_prompts:
                     m.update(side.probe(learner))
                 if eval_every and (step % eval_every == 0 or step == train_steps):
                     m.update(side.heldout())
                 m.update({"time/generate": gen_seconds, "time/logprob": t2 - t1, "time/train": t3 - t2,
                           "time/sync": t4 - t_push, "time/step": time.perf_counter() - t0})
+                m.update(timeshare.metrics())
                 if async_rollouts:  # time the main thread sat idle waiting for rollouts
                     m["time/wait_rollouts"] = (t1 - t0) + (t_push - t3)
                 rows.append(side.write(step, m))
@@ -163,9 +182,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                     print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to "
                           "resume", flush=True)
                     break
-        ckpts.close()
-    finally:
-        side.close()
+            ckpts.close()
+        finally:
+            side.close()
     side.plots(run_dir)
     return rows
 
@@ -174,11 +193,12 @@ def main(configured_train: Callable = train):
     from portable_rl import gin_utils
     from portable_rl.rl.multihost import Processes
 
+    budget = gin_utils.memory_budget()  # gin/colocate.gin; decided before JAX starts its devices
     driver = Processes.current().is_driver  # the run directory's files are written once, by process 0
     run_dir = gin_utils.query_value("train.run_dir")
     if driver:
         gin_utils.write_config(run_dir, "config.gin")
-    rows = configured_train()
+    rows = configured_train(memory_plan=budget) if budget is not None else configured_train()
     if driver:
         gin_utils.write_config(run_dir, "operative_config.gin", operative=True)
     last = rows[-1] if rows else {}

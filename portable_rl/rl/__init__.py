@@ -12,5 +12,7 @@
 - `evaluation`: held-out accuracy, pass@k and mean length through an engine.
 - `metrics`: metrics.jsonl + TensorBoard writer (resumable); `plots`: PNG curves.
 - `preemption`: stop cleanly on SIGTERM (finish the step, checkpoint).
+- `roles`: what a process does in the loop: the engine side (the driver) or a follower.
+- `multihost`: the collectives of several JAX processes (broadcast from the driver, stop, barriers).
 - `warmstart`: the supervised warm start of the default run's tiny policy.
 """
