@@ -64,3 +64,13 @@ def test_multihost_wire_rollouts_build_the_drivers_batch():
     assert got_stats == want_stats and got.keys() == want.keys()
     for key, x in want.items():
         np.testing.assert_array_equal(got[key], x, err_msg=key)  # bit for bit, advantages included
+
+
+def test_multihost_broadcast_buffers_come_in_few_sizes():
+    """The per-step broadcast pads its buffer (>= 1 KiB, <= 12.5 % more), so a run compiles few shapes."""
+    from portable_rl.rl.multihost import padded_size
+
+    assert [padded_size(n) for n in (0, 1, 1024, 1025, 3000)] == [1024, 1024, 1024, 1152, 3072]
+    for n in range(1025, 3_000_000, 997):
+        assert n <= padded_size(n) <= 1.125 * n
+    assert len({padded_size(n) for n in range(2**20 + 1, 2**21 + 1, 101)}) == 8  # per octave
