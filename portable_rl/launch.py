@@ -122,12 +122,11 @@ class Launch:
             env = process_env(dict(os.environ), port=self.port, num_processes=num_processes, process_id=i,
                               devices=devices_per_process)
             piped = i > 0  # process 0 keeps the console (progress bar); the others' lines get a prefix
-            child = subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent, stdout=subprocess.PIPE if piped else None,
-                                     stderr=subprocess.STDOUT if piped else None)
-            if piped:
-                threading.Thread(target=_prefix_lines, args=(child.stdout, f"[process {i}] "), daemon=True).start()
-            self.children.append(child)
+            self.children.append(subprocess.Popen(
+                [sys.executable, "-m", module, *args], env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None))
+        for i, child in enumerate(self.children[1:], 1):  # threads only after the last fork (preexec_fn)
+            threading.Thread(target=_prefix_lines, args=(child.stdout, f"[process {i}] "), daemon=True).start()
         pids = ", ".join(f"process {i} pid {c.pid}" for i, c in enumerate(self.children))
         print(f"[launch] {num_processes} processes x {devices_per_process} host devices, coordinator "
               f"127.0.0.1:{self.port}: {pids}", flush=True)
