@@ -39,7 +39,7 @@ def main():
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines import create_engine
-    from portable_rl.convert.buckets import bucketed
+    from portable_rl.engines.buckets import bucketed
     from portable_rl.engines.ray_fleet import RayEngineFleet, pack_bucket
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="fleet_push_")

@@ -12,7 +12,7 @@
         989 TFLOP/s (NVIDIA H200 SXM datasheet, same tensor cores as the H100 SXM; sparsity not counted).
   (ii)  DLPack JAX -> torch on the GPU without a copy: every tensor `iter_hf_tensors` would hand an engine is
         a torch CUDA tensor whose data_ptr equals the JAX buffer's address; plus the conversion's GiB/s.
-  (iii) `convert.quantize` 128x128 blockwise FP8 of every decoder projection, GB/s of bf16 input, both on
+  (iii) `engines.quantize` 128x128 blockwise FP8 of every decoder projection, GB/s of bf16 input, both on
         contiguous bf16 tensors and end to end from the Flax params (cast + DLPack + transposed views).
 
 Results go to $OUT/gpu_check.json (or --out) and stdout. Each check records its own error and the others
@@ -201,7 +201,7 @@ def check_dlpack(model, config, expect_device: str) -> dict:
 def check_quantizer(model, config, device: str, reps: int) -> dict:
     import torch
 
-    from portable_rl.convert.quantize import (dequantize_blockwise_fp8, is_quantized_projection,
+    from portable_rl.engines.quantize import (dequantize_blockwise_fp8, is_quantized_projection,
                                               quantize_blockwise_fp8, quantize_named_tensors_blockwise)
     from portable_rl.convert.to_torch import iter_hf_tensors
 

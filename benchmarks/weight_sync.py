@@ -62,7 +62,7 @@ def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:
 
 def sglang_transport_times(model, config, bucket_bytes: int, repeats: int) -> tuple[float, float]:
     """(bf16 / flash_rl, blockwise) seconds for convert + the SGLang adapter's per-bucket transport."""
-    from portable_rl.convert.buckets import bucketed_groups
+    from portable_rl.engines.buckets import bucketed_groups
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.sglang_adapter import transport_bucket
 

@@ -29,7 +29,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
           master_dtype: Optional[str] = "float32",
-          compute_dtype: str = "bfloat16", sync_bucket_mb: int = 256, async_rollouts: bool = False,
+          compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
           remat: str = "none", progress: bool = True, memory_plan=None) -> list[dict]:

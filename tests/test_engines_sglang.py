@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from portable_rl.convert.buckets import fused_group
-from portable_rl.convert.quantize import SOURCE_MARKER, write_blockwise_fp8_checkpoint
+from portable_rl.engines.buckets import fused_group
+from portable_rl.engines.quantize import SOURCE_MARKER, write_blockwise_fp8_checkpoint
 from portable_rl.engines import SamplingConfig, create_engine
 from portable_rl.engines.checkpoint import WeightUpdateError
 from portable_rl.engines.sglang_adapter import SGLangEngine, SGLangWeightUpdateError

@@ -22,7 +22,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model  # noqa: E402
-from portable_rl.convert.to_torch import bucketed, iter_hf_tensors  # noqa: E402
+from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.probe import ProbeMismatchError, compare_logprobs, run_probe  # noqa: E402
 from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
@@ -119,7 +119,7 @@ def pushed(bf16_engine, learner, tmp_path_factory):
         run_probe(bf16_engine, PROMPTS, reference_fn(new_model, 1.0), threshold=BF16_MAX_ABS_DIFF)
     except ProbeMismatchError as e:
         stale_error = e
-    bf16_engine.update_weights(bucketed(iter_hf_tensors(new_model, config), bucket_bytes=64 << 10))
+    bf16_engine.update_weights(iter_hf_tensors(new_model, config))  # the flat push, a one-shot generator
     path = tmp_path_factory.mktemp("pushed") / "ckpt"
     save_hf_model(new_model, config, path)
     copy_tokenizer_files(bf16_engine.model_path, path)
@@ -180,16 +180,16 @@ def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt,
     assert result.max_abs_diff < 1.0 and result.kl < 0.05  # ... by a bounded amount
 
 
-def test_bucketed_push_is_one_reload(bf16_engine, pushed, monkeypatch):
+def test_flat_push_is_one_reload(bf16_engine, pushed, monkeypatch):
     new_model, _, _ = pushed
     before = bf16_engine.generate(PROMPTS, SAMPLING)
     llm = bf16_engine._llm
     calls = []
     real_rpc = llm.collective_rpc
     monkeypatch.setattr(llm, "collective_rpc", lambda method, **kw: calls.append(method) or real_rpc(method, **kw))
-    buckets = list(bucketed(iter_hf_tensors(new_model, new_model.config), bucket_bytes=32 << 10))
-    assert len(buckets) > 3
-    bf16_engine.update_weights(iter(buckets))
+    pairs = iter_hf_tensors(new_model, new_model.config)  # one flat generator: vLLM's one reload takes it all
+    bf16_engine.update_weights(pairs)
+    assert next(pairs, None) is None  # read to the end
     assert calls == ["portable_rl_reload_weights"]
     after = bf16_engine.generate(PROMPTS, SAMPLING)  # same weights again: identical outputs
     assert [r.response_logprobs for r in after] == [r.response_logprobs for r in before]

@@ -1,4 +1,4 @@
-"""Fake quantizers (convert.quantize.fake_quantize) and the `fake_quant` engine wrapper (engines/fake_quant.py).
+"""Fake quantizers (engines.quantize.fake_quantize) and the `fake_quant` engine wrapper (engines/fake_quant.py).
 
 Quantizer tests are pure torch. The engine tests start one module-scoped pair of real vLLM engines: the
 wrapper around a bf16 engine on a tiny random checkpoint, and a plain bf16 engine started on a copy of that
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from portable_rl.convert.quantize import (E2M1_GRID, FAKE_QUANT_SCHEMES, fake_quantize, fake_quantize_mxfp4,
+from portable_rl.engines.quantize import (E2M1_GRID, FAKE_QUANT_SCHEMES, fake_quantize, fake_quantize_mxfp4,
                                           fake_quantize_named_tensors, fake_quantize_nvfp4, round_to_e2m1)
 
 
@@ -164,9 +164,9 @@ def test_wrapper_serves_fake_quantized_weights_from_the_start_and_after_pushes(e
              for x, y, a, b in zip(ta, tb, la, lb) if x == y]
     assert diffs and max(diffs) > 1e-3, max(diffs, default=None)
 
-    # 3. update_weights fake-quantizes what is pushed (new weights, given as buckets)
+    # 3. update_weights fake-quantizes what is pushed (new weights, one flat one-shot iterator)
     new = perturbed(original)
-    wrapped.update_weights([new[:5], new[5:]])
+    wrapped.update_weights(iter(new))
     reference.update_weights(list(fake_quantize_named_tensors(new, "mxfp4")))
     assert_same(sample(wrapped), sample(reference))
 

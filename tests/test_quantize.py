@@ -1,4 +1,4 @@
-"""Trainer-side 128x128 blockwise FP8 (convert/quantize.py)."""
+"""Trainer-side 128x128 blockwise FP8 (engines/quantize.py)."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from portable_rl.convert.quantize import (FP8_MAX, dequantize_blockwise_fp8, is_quantized_projection,
+from portable_rl.engines.quantize import (FP8_MAX, dequantize_blockwise_fp8, is_quantized_projection,
                                           quantize_blockwise_fp8, quantize_named_tensors_blockwise,
                                           write_blockwise_fp8_checkpoint)
 from portable_rl.testing import make_tiny_checkpoint

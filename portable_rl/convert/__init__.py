@@ -1,8 +1,9 @@
 """HF checkpoints <-> Flax NNX params, and Flax params -> torch tensors for rollout engines.
 
-The only package that knows both JAX and torch. Imports are lazy (PEP 562): an engine process that only
-needs the torch-side quantizer (`convert.quantize`) does not pull in JAX, and one that only reads
-checkpoints does not pull in torch.
+The only package that knows both JAX and torch: the JAX → HF bridge. Imports are lazy (PEP 562): a
+process that only reads checkpoints does not pull in torch. The torch-only quantizers and the bucketing
+helpers, which only engines use, live in `engines.quantize` / `engines.buckets` (`convert.quantize` and
+`convert.buckets` are deprecated aliases of them for one release).
 """
 
 import importlib
@@ -13,7 +14,7 @@ _EXPORTS = {
     "save_hf_model": "portable_rl.convert.hf",
     "param_mappings": "portable_rl.convert.mapping",
     "iter_hf_tensors": "portable_rl.convert.to_torch",
-    "bucketed": "portable_rl.convert.to_torch",
+    "bucketed": "portable_rl.engines.buckets",
 }
 
 __all__ = sorted(_EXPORTS)

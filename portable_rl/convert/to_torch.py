@@ -7,8 +7,9 @@ torch *view* (`tensor.T`), not a copy; engines' weight loaders copy from strided
 bf16 learner params the whole conversion moves no bytes (docs/benchmarks.md, "Weight sync").
 The values are exactly what `convert.hf.save_hf_model` writes for the same dtype.
 
-Memory: `iter_hf_tensors` materialises one tensor at a time; `bucketed` holds at most one bucket
-(`bucket_bytes`, or a single larger tensor) of them, so peak extra memory is about one bucket.
+Memory: `iter_hf_tensors` materialises one tensor at a time. The push is that flat iterator
+(engines/base.py, "Push"): each engine buckets it for its own transport (`engines.buckets`; `bucketed` is
+re-exported here for older callers).
 """
 
 from __future__ import annotations
@@ -17,9 +18,16 @@ from collections.abc import Iterator
 
 import torch
 
-from portable_rl.convert.buckets import bucketed  # noqa: F401  (re-exported: pairs -> buckets)
 from portable_rl.convert.hf import cast_params
 from portable_rl.learner_jax.config import ModelConfig
+
+
+def __getattr__(name):  # `to_torch.bucketed`, re-exported lazily: engines bucket pushes themselves now
+    if name == "bucketed":
+        from portable_rl.engines.buckets import bucketed
+
+        return bucketed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,12 +23,20 @@ prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies o
 Quantization. Every adapter reports `quantization`: None when it serves the pushed weights in their own
 dtype (bf16), else the name of the scheme it serves (e.g. "fp8_per_channel", "fp8_blockwise",
 "fake_mxfp4"). The post-sync probe judges a quantized engine by its report, not by the bf16 bound.
+
+Push. `update_weights` takes one flat iterable of `(hf_name, torch.Tensor)` pairs, read once, and each
+adapter buckets it for its own transport; the learner side (`rl.sync.push_weights`) never buckets:
+
+    learner: iter_hf_tensors(model) ─► (name, tensor), (name, tensor), ...  ─► engine.update_weights
+    vLLM:   list of refs → one layerwise reload      SGLang: bucketed_groups → k tensor-update calls
+    Ray:    bucketed → ray.put once per bucket → every actor's adapter gets the flat pairs again
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import warnings
 from typing import Iterable, Iterator, Sequence, Tuple, Union
 
 FINISH_REASONS = ("stop", "length")
@@ -89,19 +97,53 @@ class Rollout:
 
 
 NamedTensor = Tuple[str, "torch.Tensor"]  # noqa: F821  (torch is only needed by concrete adapters)
-NamedTensors = Union[Iterable[NamedTensor], Iterable[Sequence[NamedTensor]]]
+
+_WARNED: set[str] = set()
 
 
-def flatten_named_tensors(named_tensors: NamedTensors) -> Iterator[NamedTensor]:
-    """Yields (name, tensor) pairs from either a flat iterable of pairs or an iterable of buckets of pairs."""
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, FutureWarning, stacklevel=3)  # shown by default, unlike DeprecationWarning
+
+
+def _is_pair(item) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
+def named_tensor_pairs(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+    """The push contract, checked lazily: yields the `(hf_name, tensor)` pairs of `update_weights`' argument.
+
+    A push is ONE flat iterable of pairs (possibly a one-shot generator); each adapter buckets for its own
+    transport. An item that is a list of pairs (a bucket: the old push shape) is still flattened, with a
+    one-time FutureWarning, for one release; anything else is a TypeError.
+    """
     for item in named_tensors:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        if _is_pair(item):
             yield item
-        else:  # a bucket: list of pairs
-            for pair in item:
-                if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
-                    raise TypeError(f"expected (hf_name, tensor) pairs or buckets of them, got {type(pair)}")
-                yield pair
+            continue
+        if isinstance(item, (list, tuple)) and item and all(_is_pair(p) for p in item):
+            _warn_once("bucket", "update_weights received a bucket (a list of pairs): pushes are one flat "
+                       "iterable of (hf_name, tensor) pairs now, and buckets stop working in the next release")
+            yield from item
+            continue
+        raise TypeError(f"update_weights takes a flat iterable of (hf_name, tensor) pairs, got an item of type "
+                        f"{type(item).__name__}; e.g. engine.update_weights(convert.to_torch.iter_hf_tensors(...))")
+
+
+def flatten_named_tensors(named_tensors) -> Iterator[NamedTensor]:
+    """Deprecated alias of `named_tensor_pairs` (kept one release for out-of-tree adapters)."""
+    _warn_once("flatten", "portable_rl.engines.base.flatten_named_tensors is deprecated: update_weights receives "
+               "one flat iterable of (hf_name, tensor) pairs; iterate it directly or use named_tensor_pairs")
+    return named_tensor_pairs(named_tensors)
+
+
+def __getattr__(name):  # PEP 562: the deprecated union type, for out-of-tree adapters' annotations
+    if name == "NamedTensors":
+        _warn_once("NamedTensors", "portable_rl.engines.base.NamedTensors is deprecated: a push is "
+                   "Iterable[NamedTensor] (one flat iterable of (hf_name, tensor) pairs)")
+        return Union[Iterable[NamedTensor], Iterable[Sequence[NamedTensor]]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -132,8 +174,13 @@ class EngineAdapter(abc.ABC):
         """Returns `n` rollouts per prompt in prompt-major order (prompt 0's n samples first)."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Loads new weights given as `(hf_name, torch.Tensor)` pairs (or buckets of them); a full sync."""
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """A full sync from ONE flat iterable of `(hf_name, torch.Tensor)` pairs (module doc, "Push").
+
+        The iterable may be a one-shot generator (the learner's export yields one parameter at a time) and
+        is read once; the adapter groups the pairs for its own transport (vLLM: one reload of all of them,
+        SGLang: buckets that keep q/k/v and gate/up together, the Ray fleet: object-store buckets).
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -142,8 +189,10 @@ class EngineAdapter(abc.ABC):
     def sleep(self) -> None:
         """Optionally releases accelerator memory between rollout phases (no-op by default)."""
 
-    def wake_up(self) -> None:
-        """Undoes `sleep` (no-op by default)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undoes `sleep` (no-op by default). `tags` (vLLM's): ["weights"] brings back only the weight memory
+        (for a push), ["kv_cache"] then the KV cache; None: everything. An adapter that cannot wake in parts
+        may omit `tags` from its signature; the loop then wakes it whole (rl/colocation.py)."""
 
     def __enter__(self):
         return self

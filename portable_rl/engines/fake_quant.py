@@ -5,11 +5,11 @@
 
 The wrapped engine runs in its own dtype (bf16); every decoder projection it receives is first replaced by
 
-    W' = dequantize(quantize(W, scheme))        (convert.quantize.fake_quantize; same shape and dtype)
+    W' = dequantize(quantize(W, scheme))        (engines.quantize.fake_quantize; same shape and dtype)
 
 so it samples from, and returns the logprobs of, the policy a weight-only `scheme` engine would serve.
 This emulates rollout precisions the CPU engine cannot run natively (MXFP4 / NVFP4 / per-tensor FP8:
-`convert.quantize.FAKE_QUANT_SCHEMES`). On construction the checkpoint at `model_path` is read, its
+`engines.quantize.FAKE_QUANT_SCHEMES`). On construction the checkpoint at `model_path` is read, its
 projections fake-quantized and pushed, so rollouts are quantized from the first step on; every
 `update_weights` fake-quantizes the pushed projections before forwarding them.
 
@@ -21,9 +21,9 @@ and the lm_head/embedding are the most precision-sensitive).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from portable_rl.engines.base import EngineAdapter, NamedTensors, Rollout, SamplingConfig, flatten_named_tensors
+from portable_rl.engines.base import EngineAdapter, NamedTensor, Rollout, SamplingConfig, named_tensor_pairs
 from portable_rl.engines.checkpoint import safetensors_files
 from portable_rl.engines.registry import create_engine, register
 
@@ -39,7 +39,7 @@ def read_checkpoint_tensors(model_path: str) -> list:
 class FakeQuantEngine(EngineAdapter):
     def __init__(self, *, model_path: str, engine: str = "vllm", scheme: str = "mxfp4",
                  engine_kwargs: dict[str, Any] | None = None):
-        from portable_rl.convert.quantize import FAKE_QUANT_SCHEMES  # torch: imported when an engine is built
+        from portable_rl.engines.quantize import FAKE_QUANT_SCHEMES  # torch: imported when an engine is built
 
         if scheme not in FAKE_QUANT_SCHEMES:
             raise ValueError(f"unknown fake-quantization scheme {scheme!r}; use one of {FAKE_QUANT_SCHEMES}")
@@ -53,11 +53,11 @@ class FakeQuantEngine(EngineAdapter):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         return self.inner.generate(prompt_token_ids, sampling)
 
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        from portable_rl.convert.quantize import fake_quantize_named_tensors
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """Fake-quantizes the flat pairs lazily and hands the inner engine the same flat shape (it buckets)."""
+        from portable_rl.engines.quantize import fake_quantize_named_tensors
 
-        pairs = list(fake_quantize_named_tensors(flatten_named_tensors(named_tensors), self.scheme))
-        self.inner.update_weights(pairs)
+        self.inner.update_weights(fake_quantize_named_tensors(named_tensor_pairs(named_tensors), self.scheme))
 
     def sleep(self) -> None:
         self.inner.sleep()

@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from portable_rl.convert.buckets import bucketed
-from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
-                                      flatten_named_tensors)
+from portable_rl.engines.buckets import bucketed
+from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
+                                      named_tensor_pairs)
 from portable_rl.engines.registry import create_engine, register
 from portable_rl.errors import UserError
 
@@ -112,7 +112,7 @@ class EngineHost:
 
         buckets = ray.get(list(bucket_refs))  # refs nested in a list are not resolved by Ray itself
         pairs = [pair for packed in buckets for pair in unpack_bucket(packed)]
-        self.engine.update_weights(pairs)  # the adapter's one full sync
+        self.engine.update_weights(pairs)  # the adapter's one full sync, flat (it buckets for itself)
         return len(pairs)
 
     def sleep(self) -> None:
@@ -278,14 +278,15 @@ class RayEngineFleet(EngineAdapter):
                          "generate", *args)
 
     # ----------------------------------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """One full sync: buckets go into the object store once; every engine loads them."""
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """One full sync from the flat pairs: this fleet's `bucket_bytes` buckets go into the object store
+        once; every engine's adapter gets them back as one flat push (`EngineHost.update_weights`)."""
         import ray
 
         self._require_actors()
         self._weight_refs = None  # drop the previous push first: one copy of the weights in the store
         self._weights_known = False
-        buckets = bucketed(flatten_named_tensors(named_tensors), self.bucket_bytes)
+        buckets = bucketed(named_tensor_pairs(named_tensors), self.bucket_bytes)
         refs = [ray.put(pack_bucket(bucket)) for bucket in buckets]
         self._weight_refs, self._weights_known = refs, True
         try:

@@ -26,7 +26,7 @@ which SIGQUITs its parent, whose handler kills the whole process tree — in-pro
 everything that would make it raise is checked here before the session opens:
   - names and shapes against the checkpoint the engine started on (`engines.checkpoint`, as for vLLM);
   - in flash_rl mode, canonical `model.`-prefixed names;
-  - fused groups (q/k/v, gate/up) are never split across buckets (`convert.buckets.bucketed_groups`): the
+  - fused groups (q/k/v, gate/up) are never split across buckets (`engines.buckets.bucketed_groups`): the
     flash_rl reload with per-tensor FP8 (no cutlass) refuses a partial update of a fused matrix.
 The replies SGLang does send (outside a session, session already open, cache flush refused) are checked
 and raise `SGLangWeightUpdateError` after the session is closed.
@@ -40,10 +40,10 @@ FP8 comes in two flavours, chosen by `fp8_mode`:
   - "flash_rl": engine started with quantization="fp8", load_format="flash_rl"; it keeps the bf16 loaders
     and re-quantizes the pushed bf16 weights. 0.5.23 supports only Qwen2/Qwen3 (their `load_weights` carry
     the `supports_quantized_rl_reload` mark).
-  - "blockwise": trainer-side 128x128 FP8 (`convert.quantize.quantize_named_tensors_blockwise`: `weight` in
+  - "blockwise": trainer-side 128x128 FP8 (`engines.quantize.quantize_named_tensors_blockwise`: `weight` in
     float8_e4m3fn + `weight_scale_inv`), the verl TIS recipe's setting. SGLang serves block-wise FP8 only
     from an FP8-serialized checkpoint, so a bf16 `model_path` is converted once into
-    `fp8_checkpoint_root` (`convert.quantize.ensure_blockwise_fp8_checkpoint`) and the engine starts there;
+    `fp8_checkpoint_root` (`engines.quantize.ensure_blockwise_fp8_checkpoint`) and the engine starts there;
     every push is quantized the same way.
 
 Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
@@ -56,11 +56,11 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from portable_rl.convert.buckets import bucketed_groups
-from portable_rl.engines.base import (EngineAdapter, NamedTensors, Rollout, SamplingConfig, check_prompts,
-                                      flatten_named_tensors)
+from portable_rl.engines.buckets import bucketed_groups
+from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
+                                      named_tensor_pairs)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
 
@@ -91,7 +91,7 @@ def transport_bucket(bucket: list, fp8_mode: str | None) -> list:
     """A bucket as SGLang receives it: torch-owned copies; in blockwise mode projections as FP8 + scales."""
     if fp8_mode != "blockwise":
         return torch_owned(bucket)
-    from portable_rl.convert.quantize import is_quantized_projection, quantize_named_tensors_blockwise
+    from portable_rl.engines.quantize import is_quantized_projection, quantize_named_tensors_blockwise
 
     rest = torch_owned([(n, t) for n, t in bucket if not is_quantized_projection(n)])
     quantized = list(quantize_named_tensors_blockwise((n, t) for n, t in bucket if is_quantized_projection(n)))
@@ -131,7 +131,7 @@ class SGLangEngine(EngineAdapter):
                                  f"this checkpoint is {archs}; use fp8_mode='blockwise'")
             kwargs.update(quantization="fp8", load_format="flash_rl")
         elif fp8_mode == "blockwise":
-            from portable_rl.convert.quantize import ensure_blockwise_fp8_checkpoint, is_blockwise_fp8_checkpoint
+            from portable_rl.engines.quantize import ensure_blockwise_fp8_checkpoint, is_blockwise_fp8_checkpoint
 
             if not is_blockwise_fp8_checkpoint(self.model_path):
                 if fp8_checkpoint_root is None:
@@ -139,7 +139,7 @@ class SGLangEngine(EngineAdapter):
                         f"fp8_mode='blockwise': {self.model_path} is not a 128x128 FP8 checkpoint and SGLang serves "
                         "block-wise FP8 only from one; set fp8_checkpoint_root (gin: SGLANG_FP8_CHECKPOINT_ROOT = "
                         "%RUN_DIR) to have it written there once, or start from "
-                        "portable_rl.convert.quantize.write_blockwise_fp8_checkpoint's output")
+                        "portable_rl.engines.quantize.write_blockwise_fp8_checkpoint's output")
                 self.model_path = ensure_blockwise_fp8_checkpoint(self.model_path, str(fp8_checkpoint_root))
                 kwargs["model_path"] = self.model_path
         kwargs.update(engine_init_kwargs or {})
@@ -205,10 +205,11 @@ class SGLangEngine(EngineAdapter):
         return rollouts
 
     # ----------------------------------------------------------------------------------------- weights
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Full sync: checked up front (module doc), then one session of fused-group-complete buckets."""
+    def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """Full sync from the flat pairs: checked up front (module doc), then one session of this adapter's
+        own `bucket_bytes` buckets, each fused group (q/k/v, gate/up) complete in one of them."""
         engine = self._require_engine()
-        pairs = list(flatten_named_tensors(named_tensors))  # references only: nothing is copied yet
+        pairs = list(named_tensor_pairs(named_tensors))  # references only: nothing is copied yet
         if self.fp8_mode == "flash_rl":
             bad = [n for n, _ in pairs if not n.startswith(("model.", "lm_head."))]
             if bad:  # 0.5.23 raises inside the engine for these, which kills the process tree

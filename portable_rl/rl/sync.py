@@ -1,8 +1,9 @@
 """Weight push (learner → engine) and the post-sync probe.
 
 Push: `convert.to_torch.iter_hf_tensors` yields (HF name, bf16 torch tensor) one parameter at a time
-(DLPack views of the JAX buffers), grouped into `bucket_mb` buckets; the engine reloads them once per sync
-(an FP8 engine re-quantizes).
+(DLPack views of the JAX buffers), and that one flat iterator is the push (engines/base.py, "Push"): each
+adapter buckets it for its own transport (SGLang keeps q/k/v and gate/up together, the Ray fleet sizes
+object-store buckets, vLLM reloads everything at once); an FP8 engine re-quantizes.
 Probe: the engine samples a fixed probe batch with a fixed seed; the learner scores the same tokens;
 `engines.probe` reports kl / max_abs_diff / mean_abs_diff (and raises for a bf16 engine out of tolerance).
 
@@ -14,16 +15,32 @@ and the others score them too (`follow_probe`).
 
 from __future__ import annotations
 
+import warnings
+
 from portable_rl.convert.hf import cast_params
-from portable_rl.convert.to_torch import bucketed, iter_hf_tensors
+from portable_rl.convert.to_torch import iter_hf_tensors
 from portable_rl.engines import probe as probe_lib
 from portable_rl.rl.batching import pack_rollouts
 
 PROBE_SEED = 1234
 
 
-def push_weights(engine, model, model_config, bucket_mb: int = 256) -> None:
-    engine.update_weights(bucketed(iter_hf_tensors(model, model_config, dtype="bfloat16"), bucket_mb << 20))
+_BUCKET_MB_WARNED = False
+
+
+def push_weights(engine, model, model_config, bucket_mb: int | None = None) -> None:
+    """engine.update_weights(the model's bf16 (hf_name, tensor) pairs, one flat lazy iterator).
+
+    `bucket_mb` is deprecated and ignored (kept one release): adapters bucket for their own transport
+    (`SGLangEngine(bucket_bytes=...)`, `RayEngineFleet(bucket_bytes=...)`), and the learner-side buckets it
+    sized were flattened again by every in-tree adapter."""
+    global _BUCKET_MB_WARNED
+    if bucket_mb is not None and not _BUCKET_MB_WARNED:
+        _BUCKET_MB_WARNED = True
+        warnings.warn(f"bucket_mb={bucket_mb} (train.sync_bucket_mb) is ignored: engines bucket the flat push "
+                      "for their own transport; set the adapter's bucket_bytes instead", FutureWarning,
+                      stacklevel=2)
+    engine.update_weights(iter_hf_tensors(model, model_config, dtype="bfloat16"))
 
 
 def join_weight_export(model, model_config) -> None:
