@@ -31,6 +31,7 @@ all of them alike; medians of `--reps` after one warm-up update. The sides of on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -132,12 +133,12 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
     zeros = [[0.0] * len(r) for r in rollouts["responses"]]
     view = pack_rollouts(rollouts["prompts"], rollouts["responses"], zeros, rollouts["advantages"])
     # The behaviour policy is the learner itself: rollout logprobs := its own, so TIS weights are 1.
-    old = learner.correct(view).old_logprobs
+    old = learner.prepare(view).old_logprobs
     view["rollout_logprobs"] = np.where(view["response_mask"] > 0, old, 0.0).astype(np.float32)
-    prepared = learner.correct(view)
+    prepared = learner.prepare(view)
 
-    def update():
-        return learner.update(prepared)
+    def update():  # timing only: the same batch again, its old logprobs knowingly stale after the first
+        return learner.update(dataclasses.replace(prepared, policy_version=learner.updates))
 
     first = update()
     return update, {"loss": first["train/loss"], "grad_norm": first["train/grad_norm"],

@@ -150,7 +150,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 timeshare.learner_phase()  # sleep_engine: the engine's memory is the learner's until the push
                 t1 = time.perf_counter()
                 if batch is not None:
-                    prepared = learner.correct(batch)   # old logprobs, rollout correction, micro-batches
+                    prepared = learner.prepare(batch)   # old logprobs (none in bypass), rollout correction, micro-batches
                     m.update(prepared.metrics)
                     t2 = time.perf_counter()
                     m.update(learner.update(prepared))

@@ -22,6 +22,7 @@ The issue's checklist → tests (here unless a file is named):
 - a memory knob this machine cannot run, a bad remat name, an out-of-range algorithm / correction setting
   (issue 15: every one a `portable_rl.errors.UserError`): test_cli_bad_input_ends_with_one_line[attention,
                                  remat, algorithm, correction, task_setting], test_every_user_facing_error_is_a_user_error
+- the evaluate CLI, the same way: test_evaluate_cli_bad_input_ends_with_one_line[task_setting, reward, checkpoint]
 - corrupt / incomplete checkpoint on resume:
     no COMMITTED marker:         tests/test_checkpoint.py::test_partially_written_step_is_never_restored
     committed but damaged:       test_damaged_committed_checkpoint_names_directory_and_fix,
@@ -98,12 +99,15 @@ CLI_CASES = {
     "remat": (["--gin.train.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
     "algorithm": (["--gin.rl.DapoConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
     "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
+    # bypass keeps the default run's token TIS: the weights would count the PPO ratio's IS twice
+    "bypass": (["--gin.rl.DapoConfig.policy_loss_mode='bypass'"],
+               "set tis.RolloutCorrectionConfig.mode = 'none' with no masks, or policy_loss_mode = 'decoupled'"),
     "task_setting": (["--gin.tasks.ArithmeticTask.num_digits=0"], "num_digits=0 must be >= 1"),
 }
 
 
 # These fail after the model is loaded (~30 s each on 2 busy cores); the others fail while gin builds the task.
-_AFTER_MODEL_LOAD = ("attention", "budget", "checkpoint", "engine", "vocab")
+_AFTER_MODEL_LOAD = ("attention", "budget", "bypass", "checkpoint", "engine", "vocab")
 _AFTER_ENGINE_START = ("budget",)   # fails on the first step's rollouts
 
 
@@ -128,6 +132,27 @@ def test_cli_bad_input_ends_with_one_line(case, cli_inputs, tmp_path):
     if case == "checkpoint":  # the damaged step is left as it was for the user to inspect; nothing was written
         assert (cli_inputs["run"] / "checkpoints" / "4" / "COMMITTED").exists()
         assert not (cli_inputs["run"] / "metrics.jsonl").exists()
+
+
+EVALUATE_CASES = {
+    "task_setting": (["--gin.tasks.ArithmeticTask.num_digits=0"], "num_digits=0 must be >= 1"),
+    "reward": (["--gin.tasks.ArithmeticTask.reward='exact'"], "set the task's reward to one of exact_match"),
+    "checkpoint": (["--gin.CHECKPOINT={root}/nowhere"], "nowhere does not exist; set CHECKPOINT"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVALUATE_CASES))
+def test_evaluate_cli_bad_input_ends_with_one_line(case, cli_inputs):
+    """The evaluate entry point prints a UserError (or a missing file) as one `error:` line, exit status 1."""
+    flags, expected = EVALUATE_CASES[case]
+    fill = {k: str(v) for k, v in cli_inputs.items()}
+    args = ["--gin_file=gin/eval/arithmetic.gin", f"--gin.CHECKPOINT={cli_inputs['model']}"]
+    env = {k: v for k, v in os.environ.items() if k != "PORTABLE_RL_TRACEBACK"}
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.evaluate", *args, *[f.format(**fill) for f in flags]],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected.format(**fill) in lines[0], lines
 
 
 def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
@@ -375,7 +400,7 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     model, _ = load_hf_model(path, compute_dtype=jnp.float32)
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param), cfg,
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0))
-    prepared, reference = learner.correct(batch), learner.correct(expected)
+    prepared, reference = learner.prepare(batch), learner.prepare(expected)
     got, want = prepared.metrics, reference.metrics
     assert got.keys() == want.keys() and all(np.isfinite(v) for v in got.values())
     for k in got:

@@ -85,14 +85,15 @@ def test_engine_only_helpers_live_on_the_engine_side():
     import subprocess
     import sys
 
-    for old, new in (("convert.quantize", "engines.quantize"), ("convert.buckets", "engines.buckets")):
+    moved = (("convert.quantize", "engines.quantize"), ("convert.buckets", "engines.buckets"))
+    code = "import warnings\n"
+    for old, new in moved:
         assert "def " not in (PKG / (old.replace(".", "/") + ".py")).read_text()
-        code = ("import warnings\n"
-                "with warnings.catch_warnings(record=True) as w:\n"
-                "    warnings.simplefilter('always')\n"
-                f"    import portable_rl.{old}\n"
-                f"assert any('moved to portable_rl.{new}' in str(x.message) for x in w), [str(x.message) for x in w]")
-        subprocess.run([sys.executable, "-c", code], check=True)
+        code += ("with warnings.catch_warnings(record=True) as w:\n"
+                 "    warnings.simplefilter('always')\n"
+                 f"    import portable_rl.{old}\n"
+                 f"assert any('moved to portable_rl.{new}' in str(x.message) for x in w), [str(x.message) for x in w]\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _package_import_graph() -> dict[str, set[str]]:

@@ -65,7 +65,7 @@ def one_step(path, cfg, batch, knobs):
                         weight_decay=0.0, max_grad_norm=1.0)
     learner = Learner(model, nnx.Optimizer(model, tx, wrt=nnx.Param), cfg,
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0), memory=memory)
-    prepared = learner.correct(batch)
+    prepared = learner.prepare(batch)
     return prepared, learner.update(prepared)
 
 

@@ -54,7 +54,7 @@ def run_update(memory, aggregation, batch, mesh=None):
                      max_response_tokens=32)
     learner = Learner(model, optimizer, alg, CORRECTION, memory=memory, mesh=mesh)
     before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
-    prepared = learner.correct(batch)
+    prepared = learner.prepare(batch)
     metrics = learner.update(prepared)
     after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
     return before, after, prepared, metrics
@@ -98,7 +98,7 @@ def test_sequence_over_the_token_budget_is_a_one_line_error(batch):
                       memory=MemoryConfig(max_tokens_per_micro_batch=16))
     longest = int(batch["seq_len"].max())
     with pytest.raises(MicroBatchBudgetError) as e:
-        learner.correct(batch)
+        learner.prepare(batch)
     assert str(e.value) == (f"a sequence of {longest} tokens (prompt + response) does not fit "
                             f"train.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
                             f"least {longest}")
@@ -110,13 +110,13 @@ def test_correct_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batc
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param),
                       DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=4), CORRECTION)
-    prepared = learner.correct(batch)
+    prepared = learner.prepare(batch)
     assert batch.keys() == keys.keys() and all(np.array_equal(batch[k], v) for k, v in keys.items())
     assert {"batch/padding_fraction", "batch/rows", "batch/row_tokens", "tis/kl"} <= prepared.metrics.keys()
     # packed rows (the default): less padding than the one-sequence-per-row view
     view_padding = 1 - batch["attention_mask"].sum() / batch["attention_mask"].size
     assert prepared.metrics["batch/padding_fraction"] < view_padding
-    with pytest.raises(TypeError, match="PreparedBatch returned by Learner.correct"):
+    with pytest.raises(TypeError, match="PreparedBatch returned by Learner.prepare"):
         learner.update(batch)
 
 

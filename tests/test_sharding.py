@@ -131,7 +131,7 @@ SCRIPT = textwrap.dedent(r'''
         batch = make_batch()
         if mesh:  # 5 rows: padded to a multiple of the batch shards inside Learner.logprobs
             out["probe_logprobs"] = learner.logprobs(batch["input_ids"][:5], batch["attention_mask"][:5])
-        prepared = learner.correct(batch)
+        prepared = learner.prepare(batch)
         out["tis"] = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
         out["old_logprobs"] = prepared.old_logprobs
         out["metrics"] = learner.update(prepared)

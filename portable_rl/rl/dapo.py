@@ -10,56 +10,69 @@ then every token of response i gets A_i (`batching.pack_rollouts`). DAPO = dynam
 clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation + overlong shaping; GRPO = none of the
 first two and seq-mean-token-mean (set `dynamic_sampling=False, clip_eps_high=0.2,
 loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
+
+Settings: `DapoConfig` is the flat union of the per-concern configs of rl/config.py (generation, data,
+shapes, loss, safety), which gin sets by their old names; the functions below read the parts they use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import numpy as np
 
 from portable_rl.errors import ConfigError
 from portable_rl.learner_jax import advantages as adv_lib
 from portable_rl.rl.batching import pack_rollouts
+from portable_rl.rl.config import (ADVANTAGES, PARTS, DataConfig, GenerationConfig,  # noqa: F401 (re-exported)
+                                   LossConfig, SafetyConfig, ShapeConfig)
 
-ADVANTAGES = ("grpo", "drgrpo")
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DapoConfig:
-    prompt_batch_size: int = 32      # prompt groups per training step (after dynamic sampling)
-    n_samples: int = 16              # responses per prompt
-    dynamic_sampling: bool = True    # drop groups whose rewards are all equal
-    max_gen_batches: int = 3         # generation batches drawn per step at most (dynamic sampling)
-    temperature: float = 1.0
-    max_response_tokens: int = 64
-    overlong_buffer: int = 0         # L_buf; 0 disables overlong shaping
-    overlong_penalty: float = 1.0
-    advantage: str = "grpo"
-    mini_batch_size: int = 32        # prompt groups per optimizer update
-    ppo_epochs: int = 1
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    dual_clip_c: Optional[float] = None
-    loss_aggregation: str = "token-mean"
-    loss_norm_constant: Optional[int] = None  # L of seq-mean-token-sum-norm; None: max_response_tokens
-    policy_loss_mode: str = "decoupled"   # "decoupled": old logprobs recomputed | "bypass": old := rollout
-    min_seq_bucket: int = 16
-    max_nonfinite_fraction: float = 0.01  # NaN/inf engine logprobs are masked; above this fraction the run stops
+class _DapoConfigBase:
+    """Methods of `DapoConfig` (below), whose fields are the flat union of rl/config.py's parts."""
 
     def __post_init__(self):
-        if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")
-        if self.n_samples < 2:
-            raise ConfigError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
+        # Each part validates its own fields; then the rules that tie concerns together.
+        parts = {name: cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+                 for name, cls in PARTS.items()}
+        object.__setattr__(self, "_parts", parts)  # not a field: eq / hash / repr stay the flat fields'
         if self.prompt_batch_size % self.mini_batch_size:
             raise ConfigError(f"prompt_batch_size={self.prompt_batch_size} must be a multiple of "
                               f"mini_batch_size={self.mini_batch_size}")
-        if self.max_gen_batches < 1:
-            raise ConfigError(f"max_gen_batches={self.max_gen_batches} must be >= 1")
-        if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
-            raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
+
+    @classmethod
+    def from_parts(cls, *, generation: GenerationConfig | None = None, data: DataConfig | None = None,
+                   shapes: ShapeConfig | None = None, loss: LossConfig | None = None,
+                   safety: SafetyConfig | None = None) -> "DapoConfig":
+        """DapoConfig from its parts (each None: that part's defaults)."""
+        given = dict(generation=generation, data=data, shapes=shapes, loss=loss, safety=safety)
+        flat = {}
+        for name, part in given.items():
+            if part is not None:
+                if not isinstance(part, PARTS[name]):
+                    raise TypeError(f"{name}= takes a {PARTS[name].__name__}, got {type(part).__name__}")
+                flat.update(dataclasses.asdict(part))
+        return cls(**flat)
+
+    @property
+    def generation(self) -> GenerationConfig:
+        return self._parts["generation"]
+
+    @property
+    def data(self) -> DataConfig:
+        return self._parts["data"]
+
+    @property
+    def shapes(self) -> ShapeConfig:
+        return self._parts["shapes"]
+
+    @property
+    def loss(self) -> LossConfig:
+        return self._parts["loss"]
+
+    @property
+    def safety(self) -> SafetyConfig:
+        return self._parts["safety"]
 
     @property
     def rows_per_minibatch(self) -> int:
@@ -71,17 +84,36 @@ class DapoConfig:
         return self.loss_norm_constant or self.max_response_tokens
 
 
+def _flat_fields():
+    fields = []
+    for part in PARTS.values():
+        for f in dataclasses.fields(part):
+            fields.append((f.name, f.type, dataclasses.field(default=f.default)))
+    return fields
+
+
+# The gin surface: one keyword per setting, the names users set (`rl.DapoConfig.n_samples = 8`), exactly
+# the parts' fields, so a setting is declared (with its default and comment) once, in rl/config.py.
+DapoConfig = dataclasses.make_dataclass("DapoConfig", _flat_fields(), bases=(_DapoConfigBase,), frozen=True,
+                                        kw_only=True)
+DapoConfig.__module__ = __name__
+DapoConfig.__doc__ = ("DAPO / GRPO settings: the flat union of GenerationConfig, DataConfig, ShapeConfig, "
+                      "LossConfig and SafetyConfig (rl/config.py); `.generation`, `.data`, `.shapes`, `.loss`, "
+                      "`.safety` are the parts.")
+
+
 def shaped_rewards(cfg: DapoConfig, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    if cfg.overlong_buffer <= 0:
+    loss = cfg.loss
+    if loss.overlong_buffer <= 0:
         return rewards.astype(np.float32)
-    penalty = adv_lib.overlong_reward_shaping(lengths, cfg.max_response_tokens, cfg.overlong_buffer,
-                                              cfg.overlong_penalty)
+    penalty = adv_lib.overlong_reward_shaping(lengths, cfg.generation.max_response_tokens, loss.overlong_buffer,
+                                              loss.overlong_penalty)
     return rewards.astype(np.float32) + np.asarray(penalty)
 
 
 def group_advantages(cfg: DapoConfig, shaped: np.ndarray) -> np.ndarray:
-    fn = adv_lib.grpo_advantages if cfg.advantage == "grpo" else adv_lib.dr_grpo_advantages
-    return np.asarray(fn(shaped, cfg.n_samples))
+    fn = adv_lib.grpo_advantages if cfg.loss.advantage == "grpo" else adv_lib.dr_grpo_advantages
+    return np.asarray(fn(shaped, cfg.generation.n_samples))
 
 
 def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
@@ -97,7 +129,7 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
     adv = group_advantages(cfg, shaped)
     batch = pack_rollouts([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
                           [r.response_logprobs for r in rollouts], adv, pad_id=pad_id,
-                          min_len=cfg.min_seq_bucket, row_multiple=cfg.rows_per_minibatch)
+                          min_len=cfg.shapes.min_seq_bucket, row_multiple=cfg.rows_per_minibatch)
     stats = {"reward/shaped_mean": float(shaped.mean()), "advantage/abs_mean": float(np.abs(adv).mean()),
              "batch/sequences": len(rollouts), "batch/seq_len_bucket": batch["input_ids"].shape[1]}
     return batch, stats

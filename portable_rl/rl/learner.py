@@ -1,9 +1,23 @@
 """The learner side of one RL step: old logprobs, rollout correction, mini-batch updates (rl/sync.py pushes weights).
 
+    metrics = learner.step(batch)            = learner.update(learner.prepare(batch)), metrics merged
+
+`prepare(batch)` is pure in the batch (it reads the current policy, writes nothing) and returns a
+`PreparedBatch`; `update(prepared)` runs the optimizer. The one order between them is explicit and
+checked: a decoupled PreparedBatch holds the logprobs of the policy it was prepared on, so `update`
+refuses it once any update has run since (it would be stale; a second use is such a case).
+
+policy_loss_mode="decoupled" (default; verl rollout_correction.bypass_mode=False):
     old_t          = log_softmax(π_θ_old(x_<t) / T)[x_t]        recomputed by the Flax policy (fp32)
     w_t, keep_t    = tis.apply_rollout_correction(cfg, old, rollout, response_mask)
     loss           = Σ_t ω_t · w_t · l_t  over the mini-batch's tokens                  per mini-batch
     ω_t            = losses.loss_token_weights(response_mask · keep, aggregation)  from the whole mini-batch
+policy_loss_mode="bypass" (verl bypass_mode=True with loss_type="ppo_clip"):
+    old_t          = rollout_t                                   no recompute: no forward pass in prepare
+    w_t = 1, keep_t = 1                                          the PPO ratio π_θ / π_rollout, clipped, IS
+    loss           = Σ_t ω_t · l_t,  ω_t from response_mask      the correction; weights on top would count it twice
+    A rollout correction that does anything (`RolloutCorrectionConfig.enabled`) is a ConfigError here:
+    its weights and masks are functions of π_old / π_rollout, which bypass defines to be 1.
 
 Layout (`memory.MemoryConfig`): the batch from `dapo.build_batch` is the per-sequence view [N, T]
 (one sequence per row). Each mini-batch (`mini_batch_size` prompt groups) becomes micro-batches that
@@ -35,6 +49,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +70,7 @@ _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
 # policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
 # except these, combined as a max
 _MAX_METRICS = ("ratio_max",)
+_CORRECT_WARNED = False
 
 
 def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
@@ -71,7 +87,9 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
         mask = batch["response_mask"] * batch["keep_mask"]                          # [R, L]
         loss, metrics = policy_loss(
             new_logp, batch["old_logprobs"], batch["advantages"], mask,
-            rollout_logprobs=batch["rollout_logprobs"], correction_weights=batch["tis_weights"],
+            rollout_logprobs=batch["rollout_logprobs"],
+            # bypass: the ratio π_θ / π_rollout is the IS correction; no weight on top (module doc)
+            correction_weights=None if cfg.policy_loss_mode == "bypass" else batch["tis_weights"],
             clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c,
             mode=cfg.policy_loss_mode, token_weights=batch["token_weights"])
         tokens = (mask > 0).sum().astype(jnp.float32)
@@ -115,14 +133,16 @@ def combine_metrics(parts: list[dict]) -> dict:
 
 @dataclasses.dataclass
 class PreparedBatch:
-    """What `Learner.correct` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
+    """What `Learner.prepare` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
     old_logprobs, tis_weights, keep_mask, token_weights), the per-sequence views [N, T] of the
-    correction, and the `tis/*` + `batch/*` metrics."""
+    correction, and the `tis/*` + `batch/*` metrics. `policy_version`: the learner's update count when
+    the old logprobs were computed (None in bypass: they are the rollout's, of no learner policy)."""
     micro_batches: list[list[dict]]
     old_logprobs: np.ndarray
     tis_weights: np.ndarray
     keep_mask: np.ndarray
     metrics: dict
+    policy_version: int | None = None
 
 
 class Learner:
@@ -132,6 +152,14 @@ class Learner:
         `memory`: layout of the micro-batches (`MemoryConfig`; attention_impl / remat belong to the model)."""
         self.model, self.optimizer, self.cfg, self.correction = model, optimizer, cfg, correction
         self.mesh, self.memory = mesh, memory or MemoryConfig()
+        self.bypass = cfg.loss.policy_loss_mode == "bypass"  # cfg: a DapoConfig (rl/config.py's parts)
+        if self.bypass and correction.enabled:
+            raise ConfigError(
+                f"policy_loss_mode='bypass' sets π_old := π_rollout, so the rollout correction (mode="
+                f"{correction.mode!r}, or a mask) has nothing to correct and its weights would count the PPO ratio's "
+                "IS twice; set tis.RolloutCorrectionConfig.mode = 'none' with no masks, or policy_loss_mode = "
+                "'decoupled'")
+        self.updates = 0  # optimizer-update passes run (`update` calls): the version of the policy
         self.shards = batch_shards(mesh) if mesh is not None else 1
         if mesh is None:
             # Commit every buffer to the device it is on: a jit output is committed, so otherwise the first
@@ -144,8 +172,9 @@ class Learner:
             if unpacked_one_call and cfg.rows_per_minibatch % self.shards:
                 raise ConfigError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
                                   f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
-        fns = _jitted(_LossSettings(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.policy_loss_mode),
-                      cfg.temperature, self.memory.logprob_chunk_tokens, correction)
+        loss = cfg.loss
+        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
+                      cfg.generation.temperature, self.memory.logprob_chunk_tokens, correction)
         self._logprobs, self._row_logprobs, self._correct = fns["logprobs"], fns["row_logprobs"], fns["correct"]
         self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
 
@@ -160,7 +189,7 @@ class Learner:
         lengths = np.asarray(batch["seq_len"])                                        # [N]
         one_per_row = (np.asarray(batch["seq_row"]) == np.arange(len(lengths))).all()
         if not one_per_row or (np.asarray(batch["seq_start"]) != 0).any():
-            raise ValueError("Learner.correct takes the one-sequence-per-row view (pack_rollouts(pack=False), "
+            raise ValueError("Learner.prepare takes the one-sequence-per-row view (pack_rollouts(pack=False), "
                              "as dapo.build_batch makes it); the learner packs the micro-batches itself")
         budget = mem.max_tokens_per_micro_batch
         if budget is not None and lengths.size and lengths.max() > budget:
@@ -168,7 +197,7 @@ class Learner:
                 f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
                 f"train.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
                 f"{int(lengths.max())}")
-        row_len = batching.packed_row_length(int(lengths.max(initial=1)), self.cfg.min_seq_bucket)
+        row_len = batching.packed_row_length(int(lengths.max(initial=1)), self.cfg.shapes.min_seq_bucket)
         out = []
         for first in range(0, view_rows, rpm):
             seq = np.arange(first, min(first + rpm, len(lengths)))                   # view rows of this mini-batch
@@ -226,14 +255,22 @@ class Learner:
             layout.to_view(to_host(logp), old)
         return old * batch["response_mask"]
 
-    # ------------------------------------------------------------------------------ correction
-    def correct(self, batch: dict) -> PreparedBatch:
+    # ------------------------------------------------------------------------------ prepare
+    def prepare(self, batch: dict) -> PreparedBatch:
         """Old logprobs, the rollout correction and the loss weights for `batch` (a `dapo.build_batch` /
-        `batching.pack_rollouts` per-sequence view, not modified) → the `PreparedBatch` `update` takes."""
+        `batching.pack_rollouts` per-sequence view, not modified) → the `PreparedBatch` `update` takes.
+
+        Decoupled: old logprobs from one forward pass per micro-batch of the current policy, then the
+        correction. Bypass: old := rollout logprobs, weights 1, nothing rejected, no forward pass."""
         layouts = self.micro_layouts(batch)
-        old = self.old_logprobs(batch, layouts)
-        weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
-        weights, keep = np.asarray(weights), np.asarray(keep)
+        mask = np.asarray(batch["response_mask"], np.float32)
+        if self.bypass:
+            old = np.asarray(batch["rollout_logprobs"], np.float32) * mask
+            weights, keep, metrics = mask.copy(), np.ones_like(mask), {}
+        else:
+            old = self.old_logprobs(batch, layouts)
+            weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
+            weights, keep = np.asarray(weights), np.asarray(keep)
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
         view = {k: batch[k] for k in _VIEW_KEYS}
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
@@ -245,7 +282,7 @@ class Learner:
                 continue
             seq = np.concatenate([lay.seq for lay in mini])                              # view rows of it
             view["token_weights"][seq] = loss_token_weights(
-                loss_mask[seq], self.cfg.loss_aggregation, self.cfg.norm_constant,
+                loss_mask[seq], self.cfg.loss.loss_aggregation, self.cfg.norm_constant,
                 num_sequences=len(seq))
             micro.append([lay.arrays(view) for lay in mini])
             padding += sum(lay.padding_tokens for lay in mini)
@@ -256,15 +293,34 @@ class Learner:
                     "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
                     "batch/micro_batches": sum(len(m) for m in layouts)})
         return PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
-                             metrics=out)
+                             metrics=out, policy_version=None if self.bypass else self.updates)
+
+    def correct(self, batch: dict) -> PreparedBatch:
+        """Deprecated name of `prepare` (kept one release)."""
+        global _CORRECT_WARNED
+        if not _CORRECT_WARNED:
+            _CORRECT_WARNED = True
+            warnings.warn("Learner.correct(batch) is now Learner.prepare(batch) (or Learner.step(batch) for "
+                          "prepare + update); the old name goes in the next release", FutureWarning, stacklevel=2)
+        return self.prepare(batch)
 
     # ------------------------------------------------------------------------------ update
+    def step(self, batch: dict) -> dict:
+        """One learner step on `batch`: `update(prepare(batch))`; returns the tis/*, batch/* and train/* metrics."""
+        prepared = self.prepare(batch)
+        return {**prepared.metrics, **self.update(prepared)}
+
     def update(self, prepared: PreparedBatch) -> dict:
         """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates."""
         if not isinstance(prepared, PreparedBatch):
-            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.correct(batch)")
+            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.prepare(batch)")
+        if prepared.policy_version is not None and prepared.policy_version != self.updates:
+            raise ValueError(f"this PreparedBatch's old logprobs are of the policy before update "
+                             f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
+                             "update(s) ran since; prepare it again right before updating (Learner.step does both)")
+        self.updates += 1
         history = []
-        for _ in range(self.cfg.ppo_epochs):
+        for _ in range(self.cfg.loss.ppo_epochs):
             for micro in prepared.micro_batches:
                 if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue

@@ -39,19 +39,21 @@ def sampling_seed(seed: int, step: int, draw: int) -> int:
 
 
 def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int):
-    """→ (kept groups (≤ prompt_batch_size), stats over everything generated this step)."""
-    collector = GroupCollector(cfg.prompt_batch_size, filter_groups=cfg.dynamic_sampling)
+    """→ (kept groups (≤ prompt_batch_size), stats over everything generated this step).
+    `cfg`: a `DapoConfig`; only its generation and data parts are read (rl/config.py)."""
+    gen, data = cfg.generation, cfg.data
+    n = gen.n_samples
+    collector = GroupCollector(data.prompt_batch_size, filter_groups=data.dynamic_sampling)
     all_rewards, all_lengths, truncated, nonfinite = [], [], 0, 0
-    for draw in range(cfg.max_gen_batches):
-        examples = task.train_batch(step, draw, cfg.prompt_batch_size)
-        sampling = SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_response_tokens,
-                                  n=cfg.n_samples, seed=sampling_seed(seed, step, draw),
-                                  stop_token_ids=(codec.eos_id,))
+    for draw in range(data.max_gen_batches):
+        examples = task.train_batch(step, draw, data.prompt_batch_size)
+        sampling = SamplingConfig(temperature=gen.temperature, max_tokens=gen.max_response_tokens,
+                                  n=n, seed=sampling_seed(seed, step, draw), stop_token_ids=(codec.eos_id,))
         scored = generate_and_score(engine, codec, examples, reward_fn, sampling)
         rollouts, rewards = scored.rollouts, scored.rewards
-        groups = [ScoredGroup(examples[p], rollouts[p * cfg.n_samples:(p + 1) * cfg.n_samples],
-                              rewards[p * cfg.n_samples:(p + 1) * cfg.n_samples]) for p in range(len(examples))]
-        collector.add(groups, rewards, cfg.n_samples)
+        groups = [ScoredGroup(examples[p], rollouts[p * n:(p + 1) * n], rewards[p * n:(p + 1) * n])
+                  for p in range(len(examples))]
+        collector.add(groups, rewards, n)
         all_rewards.append(rewards)
         all_lengths += [len(r.response_token_ids) for r in rollouts]
         truncated += sum(r.finish_reason == "length" for r in rollouts)

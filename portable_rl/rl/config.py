@@ -1,0 +1,92 @@
+"""The loop's settings, one small frozen config per concern; `dapo.DapoConfig` composes them.
+
+    GenerationConfig   what the engine samples per prompt        n_samples, temperature, max_response_tokens
+    DataConfig         how prompts become a step's groups          prompt_batch_size, dynamic_sampling,
+                                                                   max_gen_batches
+    ShapeConfig        the padded shapes the learner compiles for  min_seq_bucket
+    LossConfig         advantages → PPO loss → optimizer updates    advantage, overlong_*, mini_batch_size,
+                                                                   ppo_epochs, clip_*, dual_clip_c,
+                                                                   loss_aggregation, loss_norm_constant,
+                                                                   policy_loss_mode
+    SafetyConfig       when a broken engine stops the run          max_nonfinite_fraction
+
+Each validates its own fields (a one-line `ConfigError`); rules that tie two concerns together (e.g.
+prompt_batch_size a multiple of mini_batch_size) are `DapoConfig`'s. Library code reads the part it needs
+(`cfg.loss`, `cfg.generation`, ...). Gin users keep setting the flat names (`rl.DapoConfig.n_samples`):
+`DapoConfig`'s fields are exactly these configs' fields, so no gin name changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from portable_rl.errors import ConfigError
+
+ADVANTAGES = ("grpo", "drgrpo")
+POLICY_LOSS_MODES = ("decoupled", "bypass")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    n_samples: int = 16              # responses per prompt
+    temperature: float = 1.0
+    max_response_tokens: int = 64
+
+    def __post_init__(self):
+        if self.n_samples < 2:
+            raise ConfigError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
+        if self.max_response_tokens < 1:
+            raise ConfigError(f"max_response_tokens={self.max_response_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    prompt_batch_size: int = 32      # prompt groups per training step (after dynamic sampling)
+    dynamic_sampling: bool = True    # drop groups whose rewards are all equal
+    max_gen_batches: int = 3         # generation batches drawn per step at most (dynamic sampling)
+
+    def __post_init__(self):
+        if self.max_gen_batches < 1:
+            raise ConfigError(f"max_gen_batches={self.max_gen_batches} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapeConfig:
+    min_seq_bucket: int = 16         # padded sequence lengths are powers of two of at least this
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    overlong_buffer: int = 0         # L_buf; 0 disables overlong shaping
+    overlong_penalty: float = 1.0
+    advantage: str = "grpo"
+    mini_batch_size: int = 32        # prompt groups per optimizer update
+    ppo_epochs: int = 1
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    dual_clip_c: Optional[float] = None
+    loss_aggregation: str = "token-mean"
+    loss_norm_constant: Optional[int] = None  # L of seq-mean-token-sum-norm; None: max_response_tokens
+    # "decoupled": old logprobs recomputed, rollout correction applied | "bypass": old := rollout, no recompute,
+    # no correction weights (rl/learner.py)
+    policy_loss_mode: str = "decoupled"
+
+    def __post_init__(self):
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")
+        if self.policy_loss_mode not in POLICY_LOSS_MODES:
+            raise ConfigError(f"policy_loss_mode={self.policy_loss_mode!r}; use one of {POLICY_LOSS_MODES}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SafetyConfig:
+    max_nonfinite_fraction: float = 0.01  # NaN/inf engine logprobs are masked; above this fraction the run stops
+
+    def __post_init__(self):
+        if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
+            raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
+
+
+PARTS = {"generation": GenerationConfig, "data": DataConfig, "shapes": ShapeConfig, "loss": LossConfig,
+         "safety": SafetyConfig}
