@@ -85,6 +85,9 @@ def register_library() -> None:
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
+    from portable_rl.memory_plan import MemoryPlan
+
+    register_configurable(MemoryPlan)  # gin/colocate.gin
     _REGISTERED = True
 
 
@@ -236,6 +239,30 @@ def query_value(name: str):
     if isinstance(value, gin.config.ConfigurableReference) and value.configurable.name == "macro":
         value = value.scoped_configurable_fn()  # a macro evaluates to its (recursively resolved) value
     return value
+
+
+def memory_budget(binding: str = "train.memory_plan"):
+    """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), decided, with
+    XLA's variables set and its line printed (`memory_plan.prepare`), or None when nothing binds it. The entry
+    points call this before JAX starts its devices."""
+    try:
+        value = gin.query_parameter(binding)
+    except ValueError:  # not bound: the default run
+        return None
+    plan = value.scoped_configurable_fn() if isinstance(value, gin.config.ConfigurableReference) else value
+    if plan is None:
+        return None
+    import dataclasses
+
+    from portable_rl.memory_plan import MemoryPlan, prepare
+
+    if isinstance(plan, MemoryPlan):  # the learner's dtypes are train's settings: one place sets them
+        for name in ("param_dtype", "master_dtype"):
+            try:
+                plan = dataclasses.replace(plan, **{name: query_value(f"train.{name}")})
+            except ValueError:  # train's default, which the plan's default matches
+                pass
+    return prepare(plan)
 
 
 def write_config(run_dir: str | os.PathLike, name: str = "config.gin", operative: bool = False) -> Path:
