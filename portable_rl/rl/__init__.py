@@ -5,7 +5,8 @@
 - `rollout`: one step's draws of scored groups → dynamic sampling, with the rollout stats.
 - `async_rollout`: the same one step ahead, overlapping the learner (one-step off-policy).
 - `dynamic_sampling`: keep prompt groups whose rewards are not all equal (DAPO).
-- `dapo`: the algorithm settings, advantages and the training batch.
+- `config`: the loop's settings, one small config per concern (generation, data, shapes, loss, safety).
+- `dapo`: `DapoConfig` (the union of those configs, gin's names), advantages and the training batch.
 - `batching`: rollouts → `[B, T]` rows (packed or one per row) with a response mask; micro-batches.
 - `learner`: old logprobs, rollout correction, mini-batch updates (the learner side of a step).
 - `sync`: weight push (learner → engine) and the post-sync probe.

@@ -53,7 +53,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShapeConfig:
-    min_seq_bucket: int = 16         # padded sequence lengths are powers of two of at least this
+    min_seq_bucket: int = 16         # shortest padded row: powers of two >= it (multiples of 64 past 64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
