@@ -141,7 +141,8 @@ EVALUATE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(EVALUATE_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "reward" else c
+                                  for c in sorted(EVALUATE_CASES)])   # reward: the train case covers the path
 def test_evaluate_cli_bad_input_ends_with_one_line(case, cli_inputs):
     """The evaluate entry point prints a UserError (or a missing file) as one `error:` line, exit status 1."""
     flags, expected = EVALUATE_CASES[case]
