@@ -26,7 +26,7 @@ from portable_rl.tis.masks import check_bounds, parse_divergence
 
 MODES = ("none", "token", "sequence", "geometric")
 
-# name → field overrides; defaults follow verl's presets (RolloutCorrectionConfig.decoupled_*).
+# name → field overrides; defaults follow verl's presets (RolloutCorrectionConfig.decoupled_*, as of 0.9.1).
 PRESETS: dict[str, dict] = {
     "none": {},
     "token_tis": dict(mode="token", clip=2.0),

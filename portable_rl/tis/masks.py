@@ -137,7 +137,7 @@ def divergence_statistic(log_ratio, estimator: str) -> jnp.ndarray:
 
 def divergence_mask(log_ratio, response_mask, estimator: str = "k3", aggregation: str = "seq_mean",
                     low=None, high=None) -> jnp.ndarray:
-    """Keep where low ≤ agg_t k(log ρ_t) ≤ high (verl's `rollout_rs=<aggregation>_<estimator>`).
+    """Keep where low ≤ agg_t k(log ρ_t) ≤ high (verl ≥ 0.7's `rollout_rs=<aggregation>_<estimator>`).
 
     aggregation="token" masks single tokens; the seq_* aggregations keep or drop whole sequences.
     """
