@@ -32,8 +32,18 @@ def _orbax_dir(checkpoint: Path) -> Optional[Path]:
 def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Optional[str] = None,
              step: Optional[int] = None, n_samples: int = 1, temperature: float = 0.0,
              max_tokens: int = 64, ks: Sequence[int] = (1,), max_examples: Optional[int] = None,
-             chat_template: bool = False, seed: int = 0, report_path: Optional[str] = None) -> dict:
-    """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON)."""
+             chat_template: bool = False, seed: int = 0, report_path: Optional[str] = None,
+             xla_preallocate: bool = False) -> dict:
+    """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON).
+
+    `xla_preallocate=False`: JAX here only holds the restored params for one push, so XLA is told not to
+    preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false unless exported) and the engine's GPU_MEMORY_UTILIZATION
+    share stays free for it (portable_rl/memory_plan.py). No effect on CPU.
+    """
+    if not xla_preallocate:  # before JAX starts its devices (the checkpoint restore below)
+        from portable_rl.memory_plan import PREALLOCATE
+
+        os.environ.setdefault(PREALLOCATE, "false")
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.evaluation import evaluate_examples

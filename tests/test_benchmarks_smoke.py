@@ -57,6 +57,13 @@ def test_gpu_check_dry_run_writes_results(tmp_path):
     q = result["fp8_quantizer"]
     assert q["projections"] == 2 * 7 and q["contiguous_GB_per_s"] > 0 and q["from_flax_GB_per_s"] > 0
     assert q["roundtrip_max_abs_err"] <= q["roundtrip_bound"]
+    # the colocated smoke test ran after it (benchmarks/colocation_check.py; vLLM is never used in a dry run)
+    colocation = json.loads((tmp_path / "colocation_check.json").read_text())
+    assert colocation["ok"] and len(colocation["torch_holder"]["steps"]) == 2 and "vllm" not in colocation
+    assert colocation["learner_xla_env"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                             "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+    assert 0 < colocation["predicted"]["gpu_memory_utilization"] < 1
+    assert colocation["plan_line"].startswith("[memory] time-shared")
 
 
 def test_gpu_check_without_gpu_fails_fast_with_a_clear_message(tmp_path):

@@ -25,7 +25,16 @@ Several in-process engines may live in one process (vLLM keeps process-global pa
 it down only with the last one).
 
 `engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
-`"fp8_per_block"` on GPU, `tensor_parallel_size`, `enable_sleep_mode`); they override the defaults here.
+`"fp8_per_block"` on GPU, `tensor_parallel_size`); they override the defaults here.
+
+Sleep (colocated with the learner: portable_rl/memory_plan.py, rl/colocation.py). `enable_sleep_mode=True`
+(GPU) starts vLLM with its cumem allocator; `sleep()` then offloads the weights to host RAM and drops the KV
+cache (`sleep_level=1`), or drops both (`sleep_level=2`: less host RAM, no offload copy, valid only when
+every wake-up is followed by a full push, as the training loop does); `wake_up(tags=["weights"])` maps the
+weight memory back for a push, `wake_up(tags=["kv_cache"])` the KV cache, `wake_up()` both. vLLM resumes
+scheduling only when both are back. Without sleep mode on a GPU vLLM would free nothing, so `sleep()` raises
+(as the SGLang adapter does). vLLM-CPU has no sleep mode (`enable_sleep_mode=True` is refused at start);
+there `sleep()` and `wake_up()` only pause and resume the scheduler.
 
 Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpuinfo shows bf16 dot-product
 instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
@@ -49,6 +58,7 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.registry import register
+from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
@@ -158,7 +168,7 @@ class VLLMEngine(EngineAdapter):
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, dtype: str | None = None, in_process: bool = True,
-                 validate_weights: bool = True):
+                 validate_weights: bool = True, enable_sleep_mode: bool = False, sleep_level: int = 1):
         # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
@@ -192,7 +202,16 @@ class VLLMEngine(EngineAdapter):
             # steps, which CPU generators cannot do ("CPU Generator does not use offset"): whole prefills
             # only (tests/test_engines_vllm_chunked_prefill.py). engine_init_kwargs may turn it back on.
             kwargs["enable_chunked_prefill"] = False
+        if enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(engine_init_kwargs or {})
+        if sleep_level not in (1, 2):
+            raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
+                             "dropped; the next push restores them)")
+        self.sleep_mode, self.sleep_level = bool(kwargs.get("enable_sleep_mode", False)), sleep_level
+        if self.sleep_mode and on_cpu:
+            raise ConfigError("enable_sleep_mode=True: vLLM-CPU has no sleep mode (it refuses to start); leave it "
+                             "off on CPU, where sleep() and wake_up() pause and resume the scheduler")
         if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in kwargs:
             # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
             # instead lets several engines and the learner share the box.
@@ -255,11 +274,20 @@ class VLLMEngine(EngineAdapter):
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def sleep(self) -> None:
-        """Level-1 sleep (GPU: offloads weights, drops KV cache; needs `enable_sleep_mode=True`). CPU: no-op."""
-        self._require_llm().sleep(level=1)
+        """Frees the weights (level 1: offloaded; 2: dropped) and the KV cache; module doc, "Sleep"."""
+        llm = self._require_llm()
+        if not self.sleep_mode and not _on_cpu():
+            raise RuntimeError("VLLMEngine.sleep(): this engine was started without enable_sleep_mode=True, so vLLM "
+                               "would free nothing; create it with enable_sleep_mode=True (gin: SLEEP_ENGINE = True "
+                               "in gin/colocate.gin)")
+        llm.sleep(level=self.sleep_level)
 
-    def wake_up(self) -> None:
-        self._require_llm().wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Maps back what `sleep` freed: `tags` ["weights"] and/or ["kv_cache"], None for both."""
+        bad = set(tags or ()) - {"weights", "kv_cache"}
+        if bad:
+            raise ValueError(f"wake_up tags {sorted(bad)}: use 'weights' and/or 'kv_cache' (None: both)")
+        self._require_llm().wake_up(tags=list(tags) if tags else None)
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
