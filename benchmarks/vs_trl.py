@@ -1,0 +1,384 @@
+"""Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
+
+    nice -n 19 python benchmarks/vs_trl.py --steps 3 --eval_size 16 [--skip_ours | --skip_trl]
+
+One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
+start from the same HF checkpoint (`MODEL_PATH`, SmolLM2-135M-Instruct from `convert.convert_gguf`) and
+train on the same word problems (`tasks.WordProblemsTask` with the recipe's settings; step k uses
+`task.train_batch(k, 0, P)`, in order), through the same chat template (SmolLM2's, via the tokenizer;
+checked token for token below), with the recipe's G, P, answer length L, temperature, AdamW settings and
+step count N, all read from `gin/recipes/smollm2_arith_fp8.gin` (+ this script's overrides):
+
+* **ours**: `python -m portable_rl.train --gin_file=gin/recipes/smollm2_arith_fp8.gin` (vLLM-CPU
+  `fp8_per_channel` rollouts, token TIS C = 2, DAPO with dynamic sampling, fp32 JAX learner), with
+  `TRAIN_STEPS = N`, `EVAL_EVERY = 0` (no held-out eval inside the timed steps), its own run directory.
+  Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
+* **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
+  `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
+  (`trl.rewards.get_soft_overlong_punishment`, the recipe's buffer). Per-device batch `B` completions,
+  gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
+  groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
+  P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
+  those optimizer steps (generation, old logprobs, updates).
+  **Generation: transformers `generate` (fp32), not vLLM.** TRL 1.16's colocated vLLM
+  (`--trl_generation vllm`: `use_vllm=True, vllm_mode="colocate"`, its default correction
+  `vllm_importance_sampling_mode="sequence_mask"`, `vllm_importance_sampling_clip_max=3.0`) starts on
+  vLLM-CPU 0.32 (TRL warns it supports vLLM 0.22-0.31) but fails at its first weight sync:
+  `model.load_weights` raises `AttributeError: 'Parameter' object has no attribute 'weight_loader'`
+  (vLLM-CPU replaces the linear layers' parameters after loading). So TRL runs without vLLM and
+  without a rollout correction (there is no rollout/learner mismatch to correct: the policy samples).
+
+What differs (TRL cannot run the same setting; the nearest is run):
+
+* **Rollouts.** Ours: vLLM-CPU `fp8_per_channel`. TRL: transformers `generate` of the fp32 policy (and
+  with `--trl_generation vllm` it would be bf16: TRL's colocated vLLM passes no quantization option
+  except for bitsandbytes models).
+* **Learner precision.** Both fp32 (ours: `compute_dtype='float32'`, f32 params; TRL: the model loaded
+  in float32 and `bf16=False`; TRL's default `bf16=True` would be autocast bf16, not ours' setting).
+* **Dynamic sampling.** Ours drops groups whose rewards are all equal (one generation batch, so a step
+  trains on 0..P groups and skips the learner when none is left); TRL's GRPOTrainer has no dynamic
+  sampling: every group is trained on (zero-advantage groups add compute and no gradient).
+* **Correction.** Ours: token TIS C = 2 against recomputed old logprobs; TRL: none (its sequence mask
+  C = 3 needs vLLM logprobs).
+* **Learner memory knobs.** Ours recomputes activations (remat 'full', 1024-token micro-batches, 512-token
+  head chunks: the recipe's choice for the shared 24 GB box; ~1.3x slower steps); TRL runs its defaults
+  with B completions per forward/backward.
+
+Held-out accuracy, the same way for both: after training, one bf16 vLLM-CPU engine (no quantization,
+no chunked prefill) answers the task's first `--eval_size` held-out problems greedily with at most L
+tokens, scored by the task's reward (`final_number`), for the starting checkpoint, ours' last orbax
+checkpoint (pushed into the engine as during training) and TRL's saved weights (pushed the same way).
+
+Output: one JSON line per system (`{"system": ...}`), then `{"summary": ...}` with
+`step_time_ratio_ours_over_trl` (< 1: ours is faster) on the mean of steps 2..N (step 1 includes JAX
+compilation and vLLM warm-up) and on all steps; also written to `OUT_DIR/results.jsonl`.
+Results: docs/benchmarks.md ("Ours vs TRL GRPOTrainer").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "gin/recipes/smollm2_arith_fp8.gin"
+# vLLM-CPU on a shared box (the recipe's header): unpinned OpenMP threads that sleep when idle.
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=3, help="RL steps N for both systems")
+    p.add_argument("--eval_size", type=int, default=16, help="held-out problems scored greedily after training")
+    p.add_argument("--skip_ours", action="store_true")
+    p.add_argument("--skip_trl", action="store_true")
+    p.add_argument("--out_dir", default="runs/vs_trl", help="run directories and results.jsonl (wiped per system)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts_per_step", type=int, default=None, help="override the recipe's prompt_batch_size")
+    p.add_argument("--n_samples", type=int, default=None, help="override the recipe's group size")
+    p.add_argument("--max_tokens", type=int, default=None, help="override MAX_RESPONSE_TOKENS")
+    p.add_argument("--mini_batch_size", type=int, default=None, help="override the recipe's groups per update")
+    p.add_argument("--trl_batch", type=int, default=8, help="TRL per_device_train_batch_size (completions)")
+    p.add_argument("--trl_generation", choices=("vllm", "transformers"), default="transformers",
+                   help="'vllm' (colocate) fails on vLLM-CPU 0.32 at TRL's first weight sync (module doc)")
+    p.add_argument("--_phase", default="main", choices=("main", "trl"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("steps", "eval_size", "trl_batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name}={getattr(args, name)} must be >= 1")
+    for name in ("prompts_per_step", "n_samples", "max_tokens", "mini_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name}={getattr(args, name)} must be >= 1")
+    if args.skip_ours and args.skip_trl:
+        raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
+    return args
+
+
+def gin_bindings(args) -> list[str]:
+    """The overrides both systems share, as `--gin.NAME=VALUE` flags of portable_rl.train."""
+    flags = [f"--gin.TRAIN_STEPS={args.steps}", f"--gin.EVAL_SIZE={args.eval_size}", f"--gin.SEED={args.seed}"]
+    if args.prompts_per_step is not None:
+        flags.append(f"--gin.rl.DapoConfig.prompt_batch_size={args.prompts_per_step}")
+    if args.n_samples is not None:
+        flags.append(f"--gin.rl.DapoConfig.n_samples={args.n_samples}")
+    if args.max_tokens is not None:
+        flags.append(f"--gin.MAX_RESPONSE_TOKENS={args.max_tokens}")
+    if args.mini_batch_size is not None:
+        flags.append(f"--gin.rl.DapoConfig.mini_batch_size={args.mini_batch_size}")
+    return flags
+
+
+def load_setting(args) -> dict:
+    """Parses the recipe + overrides (in this process) and reads the values both systems use."""
+    from portable_rl import gin_utils
+    from portable_rl.train import train
+
+    gin_utils.register_configurable(train, name="train")  # what `portable_rl.train`'s CLI does
+    argv = gin_utils.rewrite_gin_args(gin_bindings(args))
+    gin_utils.parse_gin([RECIPE], [a[len("--gin_bindings="):] for a in argv])
+    import gin
+
+    def q(name):  # a binding's value, with `@X()` references built (gin builds them only inside a call)
+        value = gin_utils.query_value(name)
+        if isinstance(value, gin.config.ConfigurableReference) and value.evaluate:
+            value = value.scoped_configurable_fn()
+        return value
+
+    cfg = q("train.algorithm")           # the configured DapoConfig
+    setting = {
+        "model_path": str(REPO / q("train.model_path")), "task": q("train.task"), "prompts_per_step": cfg.prompt_batch_size, "n_samples": cfg.n_samples,
+        "mini_batch_size": cfg.mini_batch_size, "max_tokens": cfg.max_response_tokens,
+        "temperature": cfg.temperature, "overlong_buffer": cfg.overlong_buffer,
+        "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
+        "learning_rate": q("optim.make_optimizer.learning_rate"), "warmup_steps": q("optim.make_optimizer.warmup_steps"),
+        "weight_decay": q("optim.make_optimizer.weight_decay"), "max_grad_norm": q("optim.make_optimizer.max_grad_norm"),
+        "max_model_len": q("vllm/engines.create_engine.max_model_len"),
+        "quantization": q("vllm/engines.create_engine.engine_init_kwargs").get("quantization"),
+        "chat_template": q("train.chat_template"),
+    }
+    if setting["prompts_per_step"] % setting["mini_batch_size"]:
+        raise SystemExit(f"error: prompts_per_step={setting['prompts_per_step']} must be a multiple of "
+                         f"mini_batch_size={setting['mini_batch_size']}; set --mini_batch_size")
+    if not (Path(setting["model_path"]) / "config.json").exists():  # what the recipe's warm start does
+        from portable_rl.convert.gguf import convert_gguf
+        convert_gguf(setting["model_path"])
+    return setting
+
+
+def step_stats(seconds: list[float]) -> dict:
+    steady = seconds[1:] or seconds  # step 1 pays compilation / warm-up
+    return {"step_seconds": [round(s, 2) for s in seconds], "mean_step_s": statistics.mean(seconds),
+            "median_step_s": statistics.median(seconds), "mean_step_s_after_first": statistics.mean(steady)}
+
+
+# ----------------------------------------------------------------------------------------------- ours
+
+
+def run_ours(args, out: Path, quantization) -> dict:
+    run_dir = out / "ours"
+    if run_dir.exists():
+        import shutil
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
+           f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False"]
+    t0 = time.perf_counter()
+    log = out / "ours.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc:
+        raise RuntimeError(f"ours failed (exit {rc}); see {log}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r["step"] >= 1]
+    return {"system": "ours", "run_dir": str(run_dir), "wall_s": wall, **step_stats([r["time/step"] for r in steps]),
+            "generate_s": [round(r["time/generate"], 2) for r in steps],
+            "train_reward_mean": [r["reward/mean"] for r in steps],
+            "kept_groups": [r.get("dynamic_sampling/kept_groups") for r in steps],
+            "heldout_step0_fp8_engine": rows[0].get("accuracy/heldout"),
+            "rollouts": f"vLLM-CPU {quantization or 'bf16'}", "learner": "JAX fp32", "correction": "token TIS C=2"}
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+
+
+def run_trl(argv: list[str], out: Path) -> dict:
+    """Runs TRL in a child process (its colocated vLLM sets torch.distributed state and env vars)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", "trl", *argv]
+    t0 = time.perf_counter()
+    log = out / "trl.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc:
+        raise RuntimeError(f"TRL failed (exit {rc}); see {log}")
+    return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall}
+
+
+def trl_child(args, setting: dict, out: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.rewards import get_soft_overlong_punishment
+
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.tasks import get_reward
+
+    s = setting
+    run_dir = out / "trl"
+    task, P, G, L = s["task"], s["prompts_per_step"], s["n_samples"], s["max_tokens"]
+    examples = [ex for step in range(1, args.steps + 1) for ex in task.train_batch(step, 0, P)]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer}
+                                 for ex in examples])
+    # The same prompt tokens as ours: TRL applies the tokenizer's chat template to the conversation.
+    tokenizer = AutoTokenizer.from_pretrained(s["model_path"])
+    codec = TextCodec(s["model_path"], chat_template=s["chat_template"])
+    trl_ids = tokenizer.apply_chat_template(dataset[0]["prompt"], add_generation_prompt=True, tokenize=True)
+    trl_ids = list(trl_ids["input_ids"] if hasattr(trl_ids, "keys") else trl_ids)
+    if trl_ids != codec.encode_prompt(examples[0].prompt):
+        raise RuntimeError("TRL's prompt tokens differ from ours' (chat template / BOS); the comparison is off")
+    reward_fn = get_reward(task.reward)
+
+    def correctness(completions, answer, **_):
+        return [reward_fn(c[0]["content"], a) for c, a in zip(completions, answer)]
+
+    rewards = [correctness]
+    if s["overlong_buffer"]:
+        rewards.append(get_soft_overlong_punishment(max_completion_len=L, soft_punish_cache=s["overlong_buffer"]))
+    completions_per_update = s["mini_batch_size"] * G
+    B = min(args.trl_batch, completions_per_update)
+    if completions_per_update % B:
+        raise SystemExit(f"error: --trl_batch={B} must divide mini_batch_size x n_samples = {completions_per_update}")
+    updates_per_step = P // s["mini_batch_size"]
+    use_vllm = args.trl_generation == "vllm"
+    config = GRPOConfig(
+        output_dir=str(run_dir), seed=args.seed, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, disable_tqdm=True, shuffle_dataset=False,
+        max_steps=args.steps * updates_per_step, per_device_train_batch_size=B,
+        gradient_accumulation_steps=completions_per_update // B,
+        steps_per_generation=P * G // B, num_generations=G, max_completion_length=L,
+        temperature=s["temperature"], learning_rate=s["learning_rate"], lr_scheduler_type="constant_with_warmup",
+        warmup_steps=s["warmup_steps"], weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"],
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        loss_type="dapo", epsilon=s["clip_eps_low"], epsilon_high=s["clip_eps_high"], beta=0.0,
+        use_vllm=use_vllm, vllm_mode="colocate", vllm_max_model_length=s["max_model_len"],
+        vllm_importance_sampling_correction=use_vllm, vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_clip_max=3.0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(s["model_path"], dtype=torch.float32)
+
+    class StepClock(TrainerCallback):
+        """Wall time of each RL step = `updates_per_step` optimizer steps (one generation batch)."""
+
+        def __init__(self):
+            self.marks, self.logs = [], []
+
+        def on_train_begin(self, *a, **k):
+            self.marks.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **k):
+            if state.global_step % updates_per_step == 0:
+                self.marks.append(time.perf_counter())
+
+        def on_log(self, a, state, control, logs=None, **k):
+            self.logs.append(dict(logs or {}, step=state.global_step))
+
+    clock = StepClock()
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    init_s = time.perf_counter() - t0
+    trainer.train()
+    trainer.save_model(str(run_dir / "final"))
+    seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+    result = {"system": "trl", "run_dir": str(run_dir), "trl_version": __import__("trl").__version__,
+              "init_s": init_s, **step_stats(seconds),
+              # logged once per generation batch, i.e. once per RL step
+              "train_reward_mean": [float(l["rewards/correctness/mean"]) for l in clock.logs
+                                    if "rewards/correctness/mean" in l],
+              "rollouts": "vLLM-CPU bf16 (colocate)" if use_vllm else "transformers generate (fp32)",
+              "learner": "torch fp32", "correction": "sequence_mask C=3" if use_vllm else "none",
+              "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
+    (run_dir / "result.json").write_text(json.dumps(result) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- held out
+
+
+def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None, eval_size: int) -> dict:
+    """Greedy held-out accuracy of the start, ours and TRL, in one bf16 vLLM-CPU engine."""
+    import jax.numpy as jnp
+    import torch
+    from safetensors.torch import load_file
+
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.engines import create_engine
+    from portable_rl.engines.base import SamplingConfig
+    from portable_rl.learner_jax.checkpoint import Checkpointer
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.evaluation import evaluate_examples
+    from portable_rl.rl.sync import push_weights
+    from portable_rl.tasks import get_reward
+
+    task, base = setting["task"], setting["model_path"]
+    examples = list(task.eval_examples())[:eval_size]
+    codec = TextCodec(base, chat_template=setting["chat_template"])
+    greedy = SamplingConfig(temperature=0.0, n=1, max_tokens=setting["max_tokens"], stop_token_ids=(codec.eos_id,))
+    reward_fn = get_reward(task.reward)
+    engine = create_engine("vllm", model_path=base, engine_init_kwargs={"enable_chunked_prefill": False},
+                           max_model_len=setting["max_model_len"], seed=0)
+    out = {}
+    try:
+        def score(name):
+            summary, _ = evaluate_examples(engine, codec, examples, reward_fn, greedy)
+            out[name] = {"accuracy": summary["accuracy"], "mean_length": summary["mean_length"],
+                         "num_problems": summary["num_problems"]}
+
+        score("start")
+        if ours_dir is not None:
+            model, model_config = load_hf_model(base, param_dtype=jnp.float32)
+            ckpts = Checkpointer(ours_dir / "checkpoints")
+            ckpts.restore(model, None, step=ckpts.latest_step())
+            ckpts.close()
+            push_weights(engine, model, model_config)
+            score("ours")
+        if trl_dir is not None:
+            state = {}
+            for f in sorted((trl_dir / "final").glob("*.safetensors")):
+                state.update(load_file(str(f)))
+            engine.update_weights((k, v.to(torch.bfloat16)) for k, v in state.items())
+            score("trl")
+    finally:
+        engine.close()
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    for k, v in CPU_ENV.items():
+        os.environ.setdefault(k, v)
+    out = Path(args.out_dir)
+    out = out if out.is_absolute() else REPO / out
+    setting = load_setting(args)
+    if args._phase == "trl":
+        trl_child(args, setting, out)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    if not args.skip_ours:
+        results["ours"] = run_ours(args, out, setting["quantization"])
+    if not args.skip_trl:
+        results["trl"] = run_trl(list(sys.argv[1:] if argv is None else argv), out)
+    acc = evaluate_policies(setting, out / "ours" if "ours" in results else None,
+                            out / "trl" if "trl" in results else None, args.eval_size)
+    shared = {k: v for k, v in setting.items() if k != "task"}
+    lines = []
+    for name, r in results.items():
+        lines.append({**r, "heldout_accuracy": acc[name]["accuracy"], "heldout_mean_length": acc[name]["mean_length"],
+                      "steps": args.steps})
+    summary = {"summary": {"steps": args.steps, "eval_size": args.eval_size, "setting": shared,
+                           "heldout_accuracy_start": acc["start"]["accuracy"],
+                           **{f"heldout_accuracy_{n}": acc[n]["accuracy"] for n in results}}}
+    if len(results) == 2:
+        o, t = results["ours"], results["trl"]
+        summary["summary"].update(
+            step_time_ratio_ours_over_trl=o["mean_step_s_after_first"] / t["mean_step_s_after_first"],
+            step_time_ratio_ours_over_trl_all_steps=o["mean_step_s"] / t["mean_step_s"])
+    lines.append(summary)
+    with open(out / "results.jsonl", "w") as f:
+        for line in lines:
+            text = json.dumps(line, default=str)
+            print(text, flush=True)
+            f.write(text + "\n")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

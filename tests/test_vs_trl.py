@@ -1,0 +1,53 @@
+"""benchmarks/vs_trl.py: both systems get the recipe's setting (with the script's overrides), and bad flags
+end with a one-line error. The benchmark itself (two trainings on SmolLM2) takes tens of minutes on this
+box, far over a test's budget: its numbers are in docs/benchmarks.md ("Ours vs TRL GRPOTrainer")."""
+
+import importlib.util
+from pathlib import Path
+
+import gin
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def vs_trl():
+    spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks" / "vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gin.clear_config()
+    yield module
+    gin.clear_config()
+
+
+def test_setting_is_the_recipe_with_the_overrides(vs_trl):
+    args = vs_trl.parse_args(["--steps", "2", "--eval_size", "4", "--n_samples", "4", "--max_tokens", "32"])
+    s = vs_trl.load_setting(args)   # converts the SmolLM2 GGUF when the checkpoint is missing (seconds)
+    # from gin/recipes/smollm2_arith_fp8.gin
+    assert (s["prompts_per_step"], s["mini_batch_size"], s["temperature"]) == (8, 4, 0.6)
+    assert (s["learning_rate"], s["warmup_steps"], s["overlong_buffer"]) == (3e-5, 3, 32)
+    assert s["quantization"] == "fp8_per_channel" and s["chat_template"] is True
+    assert s["model_path"].endswith("checkpoints/smollm2-135m-instruct")
+    assert (Path(s["model_path"]) / "config.json").exists()
+    # the overrides, for both systems
+    assert (s["n_samples"], s["max_tokens"]) == (4, 32)
+    assert len(s["task"].eval_examples()) == 4 and s["task"].reward == "final_number"
+    assert "--gin.MAX_RESPONSE_TOKENS=32" in vs_trl.gin_bindings(args)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["--steps", "0"], "--steps=0 must be >= 1"),
+    (["--eval_size", "-1"], "--eval_size=-1 must be >= 1"),
+    (["--n_samples", "0"], "--n_samples=0 must be >= 1"),
+    (["--skip_ours", "--skip_trl"], "drop one"),
+])
+def test_bad_flags_end_with_one_line(vs_trl, argv, fix):
+    with pytest.raises(SystemExit) as e:
+        vs_trl.parse_args(argv)
+    assert fix in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompts_not_a_multiple_of_the_mini_batch_name_the_fix(vs_trl):
+    with pytest.raises(ValueError, match="multiple of mini_batch_size"):
+        vs_trl.load_setting(vs_trl.parse_args(["--prompts_per_step", "6"]))
