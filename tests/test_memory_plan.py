@@ -163,3 +163,32 @@ def test_cli_stops_with_one_line_before_anything_loads(qwen3_8b, tmp_path):
     assert len(lines) == 1 and "learner phase" in lines[0] and "lower LEARNER_PEAK_GB" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "[train]" not in proc.stdout
     assert not (tmp_path / "run").exists()  # stopped before the run directory was written
+
+
+def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
+    """The recipe's own macros feed the plan: FP8 engine, MAX_MODEL_LEN 10240, bf16 params + f32 master."""
+    import gin
+
+    from portable_rl import gin_utils
+    from portable_rl.train import train
+
+    qwen2_5_7b = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                  "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+                  "tie_word_embeddings": False}
+    path = write_shapes_only_checkpoint(tmp_path / "qwen2_5_7b", qwen2_5_7b)
+    for key in (PREALLOCATE, MEM_FRACTION, ALLOCATOR):
+        monkeypatch.delenv(key, raising=False)
+    gin.clear_config()
+    try:
+        gin_utils.register_configurable(train, name="train")
+        gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "gin/colocate.gin"],
+                            [f"MODEL_PATH = '{path}'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'",
+                             "LEARNER_PEAK_GB = 68", "LEARNER_SHARDS = 8", "ENGINE_TENSOR_PARALLEL = 8",
+                             "DEVICE_MEMORY_GB = 141.0"])
+        budget = gin_utils.memory_budget()
+    finally:
+        gin.clear_config()
+    params = 7_615_616_512  # Qwen/Qwen2.5-7B's published count
+    assert budget.plan.quantization == "fp8" and budget.min_kv_tokens == 10240
+    assert budget.learner_resident_bytes == pytest.approx(params * 14 / 8)
+    assert budget.engine_fraction == math.floor((141 * GB - params * 14 / 8 - 2 * GB) / (141 * GB) * 100) / 100
