@@ -29,8 +29,8 @@ for arg in "$@"; do
   if [ "$prev" = "--out" ]; then colocation_args+=(--out "$arg"); fi
   prev="$arg"
 done
-# On the GPU both fit in 5 min (170 + 120 s); a dry run on a busy CPU gets longer.
-t_check=170; t_colocation=120
+# On the GPU both fit in 5 min (140 + 150 s); a dry run on a busy CPU gets longer.
+t_check=140; t_colocation=150
 if [ "$dry_run" = 1 ]; then t_check=290; t_colocation=290; fi
 status=0
 timeout "$t_check" "$PY" benchmarks/gpu_check.py "$@" || status=$?
