@@ -151,6 +151,7 @@ def test_default_config_binds_no_plan():
         gin.clear_config()
 
 
+@pytest.mark.slow
 def test_cli_stops_with_one_line_before_anything_loads(qwen3_8b, tmp_path):
     """The shapes-only checkpoint has no weights: reaching the model load would be a different error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
