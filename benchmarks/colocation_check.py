@@ -18,6 +18,8 @@ Reports, per process, the peak device memory seen (NVML per-PID used memory, els
 the plan's prediction for each, and `learner_peak_within_prediction` (measured ≤ predicted + reserve/2: the
 CUDA context and XLA's GPU workspace are outside XLA's memory_analysis). `ok`: every step ran, i.e. no
 allocation failed in either process. Results go to OUT/colocation_check.json, rewritten after each part.
+Last, the control: XLA with its defaults (75 % preallocated) and then an engine asking for 0.6 of the device,
+the layout the recipes had before the plan; on a GPU its "outcome" should be that the engine could not.
 `--dry-run`: CPU, tiny sizes, checks that the protocol runs.
 
     python benchmarks/colocation_check.py [--dry-run] [--vllm] [--out DIR] [--steps 2]
@@ -181,6 +183,19 @@ def learner_child(args):
     serve(handle)
 
 
+def xla_default_child(args):
+    """JAX with XLA's defaults (75 % preallocated at the first use of the device): the control."""
+    import jax
+    import jax.numpy as jnp
+
+    jnp.zeros(1).block_until_ready()
+    stats = jax.devices()[0].memory_stats() or {}
+
+    def handle(cmd):
+        return {"bytes_reserved": stats.get("bytes_reserved"), "bytes_limit": stats.get("bytes_limit")}
+    serve(handle)
+
+
 def engine_child(args):
     """Holds `weights_bytes` + `kv_bytes` of torch memory; sleep frees both, wake maps them back by tag."""
     import torch
@@ -332,7 +347,30 @@ def _with_learner(args, learner, device_bytes, source, base_env) -> dict:
         result[name] = cycles(args, learner, start_engine, info["predicted_peak_bytes"] + slack)
         write_json(args.out, result)  # a timeout in the next part keeps this one
     result["ok"] = all(result[name].get("ok") for name in ("torch_holder", "vllm") if name in result)
+    write_json(args.out, result)
+    result["control_without_plan"] = control(args, device_bytes, base_env)
     return result
+
+
+def control(args, device_bytes: float, base_env: dict) -> dict:
+    """The issue this plan fixes: XLA's default preallocation first, then an engine asking for 0.6 of the
+    device (the recipes' old GPU_MEMORY_UTILIZATION). Expected on a GPU: the engine cannot get its share."""
+    xla = Child("xla_default", [], {**base_env, **({"JAX_PLATFORMS": "cpu"} if args.dry_run else {})})
+    try:
+        stats = xla.call("info")
+        share = 0.6 * device_bytes
+        engine = Child("engine", ["--weights-bytes", str(0.1 * share), "--kv-bytes", str(0.9 * share)]
+                       + (["--dry-run"] if args.dry_run else []), base_env)
+        try:
+            engine.call("start")
+            outcome = "the engine got its 0.6 share"
+        except RuntimeError as e:
+            outcome = f"the engine could not get its 0.6 share: {str(e)[:300]}"
+        finally:
+            engine.close()
+    finally:
+        xla.close()
+    return {"xla_default": stats, "outcome": outcome}
 
 
 def cycles(args, learner, start_engine, learner_limit: float) -> dict:
@@ -414,13 +452,14 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3, help="learner updates per learner phase")
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
-    p.add_argument("--role", default="driver", choices=("driver", "learner", "engine", "vllm"))
+    p.add_argument("--role", default="driver", choices=("driver", "learner", "engine", "vllm", "xla_default"))
     p.add_argument("--weights-bytes", type=float, default=0)
     p.add_argument("--kv-bytes", type=float, default=0)
     p.add_argument("--engine-fraction", type=float, default=0.3)
     args = p.parse_args()
     if args.role != "driver":
-        {"learner": learner_child, "engine": engine_child, "vllm": vllm_child}[args.role](args)
+        {"learner": learner_child, "engine": engine_child, "vllm": vllm_child,
+         "xla_default": xla_default_child}[args.role](args)
         return
     if not args.dry_run and shutil.which("nvidia-smi") is None:
         print("colocation_check: no nvidia-smi (no GPU); use --dry-run on CPU", file=sys.stderr)
