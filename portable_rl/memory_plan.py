@@ -188,7 +188,11 @@ class MemoryPlan:
         else:
             learner_fraction = self.learner_fraction
             if MEM_FRACTION in environ:
-                learner_fraction = float(environ[MEM_FRACTION])
+                try:
+                    learner_fraction = float(environ[MEM_FRACTION])
+                except ValueError:
+                    raise MemoryPlanError(f"{MEM_FRACTION}={environ[MEM_FRACTION]!r} (your environment) is not a "
+                                          "number; set it to a fraction like 0.6, or unset it") from None
             elif not preallocates:
                 learner_fraction = None
             elif learner_fraction is None:

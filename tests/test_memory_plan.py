@@ -81,6 +81,8 @@ def test_the_users_environment_wins_and_is_checked(qwen3_8b):
         plan(qwen3_8b, sleep_engine=False, learner_peak_gb=80.0).decide(environ=env)  # 80 GB > 0.5 x 141
     with pytest.raises(MemoryPlanError, match="SLEEP_ENGINE=True needs XLA without preallocation"):
         plan(qwen3_8b, sleep_engine=True).decide(environ={PREALLOCATE: "true"})
+    with pytest.raises(MemoryPlanError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='lots' .* is not a number"):
+        plan(qwen3_8b, sleep_engine=False).decide(environ={MEM_FRACTION: "lots"})
     kept = {ALLOCATOR: "cuda_async"}
     b = plan(qwen3_8b, sleep_engine=True).decide(environ=kept)
     assert b.apply(kept) == {PREALLOCATE: "false"} and kept == {ALLOCATOR: "cuda_async", PREALLOCATE: "false"}
