@@ -130,16 +130,6 @@ def test_engine_sleeps_through_the_learner_every_step_and_after_a_resume(tiny, t
     assert _collapse(log) == ["push(kv awake)", "generate"] + CYCLE, log
 
 
-@pytest.mark.slow
-def test_without_a_memory_plan_the_engine_never_sleeps(tiny, tmp_path, monkeypatch):
-    """CPU runs unchanged: no plan, no engine arguments added, no sleep or wake calls, no new metric."""
-    log = []
-    rows, built = _run(tiny, tmp_path / "run", 1, log, None, monkeypatch)
-    assert built == [{}]
-    assert _collapse(log) == ["generate", "learner", "push(kv awake)", "generate"], log
-    assert not any("time/sleep_wake" in r for r in rows)
-
-
 def test_async_rollouts_with_sleep_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match="async_rollouts=True: async rollouts generate during the learner") as e:
         TimeSharing(enabled=True, async_rollouts=True)
@@ -148,6 +138,8 @@ def test_async_rollouts_with_sleep_is_a_one_line_config_error():
 
 
 def test_hooks_follow_the_engine_states_and_do_nothing_when_disabled():
+    """Without a memory plan train() builds TimeSharing(enabled=False): no sleep, no wake, no new metric, and
+    the engine factory gets no extra arguments (Budget is None) -- the CPU runs are unchanged."""
     log = []
     engine = RecordingEngine(log, eos_id=2)
     assert takes_tags(engine) and not takes_tags(RecordingEngine(log, eos_id=2, partial=False))
