@@ -72,6 +72,30 @@ def initialize_from_environment(environ=None) -> bool:
     return False
 
 
+def fail_fast(fn):
+    """Runs `fn()`; if it fails, prints the error and ends this process at once (`os._exit`).
+
+    Why: at a normal interpreter exit JAX shuts its distributed client down, which waits (up to 5 min) for
+    every other process at a shutdown barrier, while they wait for this one inside the step's next
+    collective; exiting at once lets the launcher (or the cluster's heartbeat) stop them instead."""
+    import traceback
+
+    try:
+        return fn()
+    except SystemExit as e:
+        if e.code in (None, 0):
+            raise
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001  (KeyboardInterrupt too: the same hang otherwise)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # ------------------------------------------------------------------------------------ the launcher
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

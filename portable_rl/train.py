@@ -209,11 +209,12 @@ def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`. Joins the other JAX
     processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
     from portable_rl import gin_utils
-    from portable_rl.launch import initialize_from_environment
+    from portable_rl.launch import fail_fast, initialize_from_environment
 
-    initialize_from_environment()
+    several = initialize_from_environment()
     configured = gin_utils.register_configurable(train, name="train")
-    gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])
+    run = lambda: gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])  # noqa: E731
+    fail_fast(run) if several else run()  # several processes: an error must not wait for the others
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m portable_rl.launch` with real processes, without JAX (this file is also the child program):
+"""`python -m portable_rl.launch` with real processes (this file is also the child program), JAX-free but one:
 one process dying stops the others at once and the launcher names it; SIGTERM to the launcher reaches every
 process; every process gets its cluster environment (`pytest -k multihost` selects these)."""
 
@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = "tests.test_multihost_launch"  # run by the launcher as `python -m tests.test_multihost_launch`
@@ -57,9 +59,70 @@ def test_multihost_launcher_forwards_sigterm_to_every_process(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.stopped")) == ["0.stopped", "1.stopped", "2.stopped"]
 
 
+@pytest.mark.slow
+def test_multihost_followers_outwait_a_late_driver(tmp_path):
+    """The driver reaches the step's broadcast and the stop vote 35 s after the other processes (as after
+    an engine start, a long generation or eval): a bare gloo collective gives up after 30 s
+    (DEADLINE_EXCEEDED); `Processes.broadcast` / `any` wait at a coordination-service barrier first."""
+    proc = _launch(tmp_path, "late_driver")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("*.done")) == ["0.done", "1.done", "2.done"]
+
+
+@pytest.mark.slow
+def test_multihost_an_error_on_one_process_ends_the_run_at_once(tmp_path):
+    """Process 1 raises while the others wait in a collective: `launch.fail_fast` (train.cli uses it) ends
+    it at once instead of JAX's exit-time shutdown barrier (which waits minutes for the blocked others)."""
+    start = time.time()
+    proc = _launch(tmp_path, "raise")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "ValueError: bad input on process 1" in out, out[-3000:]
+    assert "[launch] error: process 1 (pid" in out and "exited with code 1" in out
+    assert time.time() - start < 120, time.time() - start
+
+
+def _raise_on_one(rank):
+    from portable_rl.launch import fail_fast, initialize_from_environment
+
+    initialize_from_environment()
+    from portable_rl.rl.multihost import Processes
+
+    def work():
+        procs = Processes.current()
+        if procs.index == 1:
+            raise ValueError("bad input on process 1")
+        procs.broadcast({"x": 1} if procs.is_driver else None)  # waits for process 1, which never comes
+
+    fail_fast(work)
+
+
+def _late_driver(rank, where):
+    from portable_rl.launch import initialize_from_environment
+
+    initialize_from_environment()
+    import numpy as np
+
+    from portable_rl.rl.multihost import Processes
+
+    procs = Processes.current()
+    if procs.is_driver:
+        time.sleep(35)
+    got = procs.broadcast({"x": np.arange(5)} if procs.is_driver else None)
+    if procs.is_driver:
+        time.sleep(35)
+    stop = procs.any(rank == 2)
+    assert got["x"].tolist() == [0, 1, 2, 3, 4] and stop
+    (where / f"{rank}.done").write_text("")
+
+
 def _child():
     """One launched process: records its environment, then dies (process 2, mode die) or waits."""
     rank, where, mode = int(os.environ["PORTABLE_RL_PROCESS_ID"]), Path(os.environ["CHILD_DIR"]), os.environ["CHILD_MODE"]
+    if mode == "late_driver":
+        return _late_driver(rank, where)
+    if mode == "raise":
+        return _raise_on_one(rank)
     stopped = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     keys = ("PORTABLE_RL_PROCESS_ID", "PORTABLE_RL_NUM_PROCESSES", "PORTABLE_RL_COORDINATOR", "XLA_FLAGS")

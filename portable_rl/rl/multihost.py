@@ -68,6 +68,7 @@ class Processes:
             return tree
         from jax.experimental import multihost_utils
 
+        self.barrier("broadcast")  # the others may wait minutes (generation, eval): see `barrier`
         payload = encode(tree) if self.is_driver else b""
         if len(payload) >= 2**31:
             raise ValueError(f"broadcast of {len(payload)} bytes: more than 2 GiB in one step's batch")
@@ -85,12 +86,18 @@ class Processes:
             return bool(flag)
         from jax.experimental import multihost_utils
 
+        self.barrier("any")  # the driver may arrive late (held-out eval)
         return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).any())
 
     def barrier(self, name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
         """Waits until every process has reached the barrier `name` (the coordination service's barrier:
         no device collective, so it may wait long). Every process makes the same barrier calls in the same
-        order, so a call counter gives each barrier the same unique id everywhere."""
+        order, so a call counter gives each barrier the same unique id everywhere.
+
+        Why before every broadcast: a process waiting inside a gloo collective for a late peer fails after
+        30 s ("Gloo context initialization failed: DEADLINE_EXCEEDED", measured with jax 0.10.2), and the
+        driver is routinely that late (engine start, generation, held-out eval); the coordination service's
+        barrier waits up to `timeout_s`, then the collective starts with everyone there."""
         global _barriers
         if not self.multiple:
             return

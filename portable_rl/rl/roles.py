@@ -85,6 +85,7 @@ class EngineSide:
             self._ready = self.prefetch.wait()
 
     def push(self, model, model_config) -> None:
+        self.procs.barrier("weight push")  # others wait here, not in a gather (async: generation runs on)
         push_weights(self.engine, model, model_config, self.bucket_mb)
 
     def probe(self, learner) -> dict:
@@ -127,6 +128,7 @@ class FollowerSide:
         pass
 
     def push(self, model, model_config) -> None:
+        self.procs.barrier("weight push")
         join_weight_export(model, model_config)
 
     def probe(self, learner) -> dict:
