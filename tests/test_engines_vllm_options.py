@@ -13,32 +13,11 @@ pytest.importorskip("vllm")
 import gin  # noqa: E402
 
 from portable_rl import gin_utils  # noqa: E402
-from portable_rl.engines import vllm_adapter  # noqa: E402
-from portable_rl.engines.vllm_adapter import VLLMEngine, resolve_enforce_eager  # noqa: E402
+from portable_rl.engines.vllm_adapter import resolve_enforce_eager  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from vllm_llm_kwargs import llm_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-class _Stop(Exception):
-    pass
-
-
-def llm_kwargs(monkeypatch, ckpt, on_cpu, **kw):
-    """The kwargs VLLMEngine passes to vllm.LLM, with the platform probe answering `on_cpu`."""
-    import vllm
-
-    seen = {}
-
-    def recorder(**kwargs):
-        seen.update(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(vllm, "LLM", recorder)
-    monkeypatch.setattr(vllm_adapter, "_on_cpu", lambda: on_cpu)
-    with pytest.raises(_Stop):
-        VLLMEngine(model_path=ckpt, **kw)
-    return seen
 
 
 def test_resolve_enforce_eager():

@@ -19,34 +19,14 @@ from portable_rl.engines import vllm_adapter  # noqa: E402
 from portable_rl.engines.base import SamplingConfig  # noqa: E402
 from portable_rl.engines.vllm_adapter import VLLMEngine  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from vllm_llm_kwargs import llm_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-class _Stop(Exception):
-    pass
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("vllm_sleep") / "qwen2", "qwen2")
-
-
-def llm_kwargs(monkeypatch, ckpt, on_cpu, **kw):
-    """The kwargs VLLMEngine hands vllm.LLM (a recorder that stops before any engine starts)."""
-    import vllm
-
-    seen = {}
-
-    def recorder(**kwargs):
-        seen.update(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(vllm, "LLM", recorder)
-    monkeypatch.setattr(vllm_adapter, "_on_cpu", lambda: on_cpu)
-    with pytest.raises(_Stop):
-        VLLMEngine(model_path=ckpt, **kw)
-    return seen
 
 
 def test_gpu_engine_gets_the_plans_share_and_sleep_mode(monkeypatch, ckpt):
