@@ -58,6 +58,7 @@ Results: docs/benchmarks.md ("Ours vs TRL GRPOTrainer").
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -350,6 +351,8 @@ def main(argv=None) -> list[dict]:
     if args._phase == "trl":
         trl_child(args, setting, out)
         return []
+    if not args.skip_trl and importlib.util.find_spec("trl") is None:  # before ours' minutes of training
+        raise SystemExit("error: TRL is not installed; `pip install trl` (1.16.0 was measured) or pass --skip_trl")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     if not args.skip_ours:
