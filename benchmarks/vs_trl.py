@@ -162,6 +162,16 @@ def step_stats(seconds: list[float]) -> dict:
 # ----------------------------------------------------------------------------------------------- ours
 
 
+def run_logged(cmd: list[str], log: Path, system: str) -> float:
+    """Runs `cmd` from the repo with the CPU environment, output to `log`; returns its wall seconds."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise RuntimeError(f"{system} failed (exit {rc}); see {log}")
+    return time.perf_counter() - t0
+
+
 def run_ours(args, out: Path, quantization) -> dict:
     run_dir = out / "ours"
     if run_dir.exists():
@@ -169,13 +179,7 @@ def run_ours(args, out: Path, quantization) -> dict:
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
            f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False"]
-    t0 = time.perf_counter()
-    log = out / "ours.log"
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc:
-        raise RuntimeError(f"ours failed (exit {rc}); see {log}")
+    wall = run_logged(cmd, out / "ours.log", "ours")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r["step"] >= 1]
     return {"system": "ours", "run_dir": str(run_dir), "wall_s": wall, **step_stats([r["time/step"] for r in steps]),
@@ -192,13 +196,7 @@ def run_ours(args, out: Path, quantization) -> dict:
 def run_trl(argv: list[str], out: Path) -> dict:
     """Runs TRL in a child process (its colocated vLLM sets torch.distributed state and env vars)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", "trl", *argv]
-    t0 = time.perf_counter()
-    log = out / "trl.log"
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CPU_ENV}, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc:
-        raise RuntimeError(f"TRL failed (exit {rc}); see {log}")
+    wall = run_logged(cmd, out / "trl.log", "TRL")
     return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall}
 
 
