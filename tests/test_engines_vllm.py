@@ -167,10 +167,19 @@ def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt,
         once = fp8.generate(PROMPTS, SAMPLING)
         fp8.update_weights(iter_hf_tensors(model, config))
         twice = fp8.generate(PROMPTS, SAMPLING)
+        # New weights must reach the GEMMs: the fast path caches dequantized weights and a reload drops them.
+        moved = perturbed(model, seed=3)
+        fp8.update_weights(iter_hf_tensors(moved, config))
+        after_push = fp8.generate(PROMPTS, SAMPLING)
     from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
     from portable_rl.engines import vllm_cpu_fp8
     # The adapter installed the CPU fast path, so these rollouts went through it.
-    assert ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm is vllm_cpu_fp8._rowwise_apply_scaled_mm
+    assert ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm is vllm_cpu_fp8._dense_apply_scaled_mm
+    moved_result = rollout_mismatch(moved, after_push, SAMPLING.temperature)
+    stale_result = rollout_mismatch(model, after_push, SAMPLING.temperature)
+    print(f"fp8 after a push: vs pushed weights {moved_result}, vs the old weights {stale_result}")
+    assert moved_result.max_abs_diff < 1.0 and moved_result.kl < 0.05
+    assert stale_result.max_abs_diff > 2 * moved_result.max_abs_diff  # it serves the pushed, not the old, weights
     assert [r.response_logprobs for r in once] == [r.response_logprobs for r in twice]
     # Pushing the checkpoint's own weights re-quantizes to what the engine loaded at start.
     assert [r.response_logprobs for r in once] == [r.response_logprobs for r in initial]
