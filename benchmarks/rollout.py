@@ -14,7 +14,8 @@ GPU (there, expect fp8 ≥ bf16 once GEMMs dominate).
 
 Breakdown. `--run-dir RUN` reads RUN/metrics.jsonl (written by `portable_rl.train`) and prints the medians of
 time/generate, time/logprob, time/train, time/sync and time/step over steps, their shares of the step
-(the rest, "other", is the post-sync probe and held-out evaluation), and checks sync < 5 % of a step.
+(the rest, "other", is the post-sync probe and held-out evaluation), and checks sync < 5 % of a step and
+each per-step diagnostic (`DIAGNOSTICS`: time/update_survival) < 1 %.
 
     python benchmarks/rollout.py [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
                                  [--prompts 16 --max-tokens 32 --reps 2] [--tiny] [--json]
@@ -36,6 +37,9 @@ import time
 
 PHASES = ("time/generate", "time/logprob", "time/train", "time/sync")
 SYNC_SHARE_TARGET = 0.05
+# Per-step diagnostics that must stay cheap (issue 16: each under 1 % of a step); absent in older runs.
+DIAGNOSTICS = ("time/update_survival",)
+DIAGNOSTIC_SHARE_TARGET = 0.01
 
 
 # ------------------------------------------------------------------------------------------- breakdown
@@ -57,6 +61,11 @@ def step_breakdown(run_dir: str) -> dict:
            # median of the per-step ratio too: the ratio of medians can hide a few slow syncs
            "sync_share_median_per_step": statistics.median(r["time/sync"] / r["time/step"] for r in steps)}
     out["sync_ok"] = out["shares"]["time/sync"] < SYNC_SHARE_TARGET
+    out["diagnostics"] = {k: {"median_s": statistics.median(r[k] for r in steps if k in r),
+                              "share_median_per_step": statistics.median(r[k] / r["time/step"] for r in steps if k in r)}
+                          for k in DIAGNOSTICS if any(k in r for r in steps)}
+    for d in out["diagnostics"].values():
+        d["ok"] = d["share_median_per_step"] < DIAGNOSTIC_SHARE_TARGET
     return out
 
 
@@ -69,6 +78,9 @@ def print_breakdown(b: dict) -> None:
     verdict = "ok" if b["sync_ok"] else "OVER"
     print(f"sync share {100 * b['shares']['time/sync']:.2f} % of the median step (per-step median "
           f"{100 * b['sync_share_median_per_step']:.2f} %), target < {100 * SYNC_SHARE_TARGET:.0f} %: {verdict}")
+    for k, d in b.get("diagnostics", {}).items():
+        print(f"{k}: median {1000 * d['median_s']:.1f} ms, {100 * d['share_median_per_step']:.3f} % of a step "
+              f"(per-step median), target < {100 * DIAGNOSTIC_SHARE_TARGET:.0f} %: {'ok' if d['ok'] else 'OVER'}")
 
 
 # ------------------------------------------------------------------------------------------ throughput

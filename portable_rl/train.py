@@ -32,7 +32,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
-          remat: str = "none", progress: bool = True, memory_plan=None) -> list[dict]:
+          remat: str = "none", progress: bool = True, memory_plan=None,
+          update_survival_stride: int = 16) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
@@ -43,6 +44,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
     (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
     `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
+    `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
+    `sync/quantized_changed_frac` / `sync/update_lost_frac` (rl/update_survival.py, docs/training.md); 0: off.
     `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
     learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
     learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
@@ -131,9 +134,19 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         else:  # receives the driver's batches and joins every collective
             side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
         timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it
+        survival = None
+        if update_survival_stride:  # every process computes it: the tracked weights are sharded like the params
+            from portable_rl.rl.update_survival import UpdateSurvival
+
+            served = procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None))
+            survival = UpdateSurvival(model_config, served, channel_stride=update_survival_stride)
+            if survival.note and procs.is_driver:
+                print(survival.note, flush=True)
         rows = []
         try:
             t_sync = time.perf_counter()
+            if survival:
+                survival.measure(model)  # the weights of the first push: the reference of the next one
             if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
                 side.push(model, model_config)
             else:
@@ -159,6 +172,10 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 t3 = time.perf_counter()
                 side.wait_rollouts()  # async: the engine must be idle before its weights change
                 timeshare.push_phase()  # weights back for the push; the KV cache only after it
+                if survival:
+                    t_survival = time.perf_counter()
+                    m.update(survival.measure(model))
+                    m["time/update_survival"] = time.perf_counter() - t_survival
                 t_push = time.perf_counter()
                 side.push(model, model_config)
                 t4 = time.perf_counter()

@@ -41,13 +41,17 @@ def test_run_directory_contents(run_dir):
     for r in rows[1:]:
         for key in ("reward/mean", "accuracy/train", "response_length/mean", "tis/kl", "tis/k3_kl", "tis/ess",
                     "tis/clipped_frac", "tis/weight_mean", "probe/kl", "time/generate", "time/logprob",
-                    "time/train", "time/sync", "time/step"):
+                    "time/train", "time/sync", "time/step", "sync/quantized_changed_frac", "sync/update_lost_frac",
+                    "sync/cumulative_update_lost_frac", "sync/bf16_changed_frac", "time/update_survival"):
             assert key in r, key
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/step"] > 0
+        assert 0.0 <= r["sync/quantized_changed_frac"] <= 1.0
+    # Where the learner stepped, some of the engine's FP8 weights moved.
+    assert any(r["sync/quantized_changed_frac"] > 0 for r in rows[1:] if r.get("train/loss") is not None)
     assert rows[-1]["accuracy/heldout"] is not None  # the last step always evaluates
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [2, 3]
-    for png in ("reward.png", "accuracy.png", "mismatch.png"):
+    for png in ("reward.png", "accuracy.png", "mismatch.png", "sync.png"):
         assert (run_dir / png).read_bytes()[:4] == b"\x89PNG"
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 

@@ -1,4 +1,4 @@
-"""PNG curves from metrics.jsonl: reward.png, accuracy.png, mismatch.png (matplotlib, Agg backend)."""
+"""PNG curves from metrics.jsonl: reward.png, accuracy.png, mismatch.png, sync.png (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ PLOTS = [
                                                    ("tis/log_ppl_abs_diff", "|log ppl diff|"),
                                                    ("tis/clipped_frac", "TIS clipped fraction"),
                                                    ("probe/kl", "post-sync probe KL")]),
+    ("sync.png", "Did the update reach the engine? (rl/update_survival.py)",
+     [("sync/quantized_changed_frac", "served weights changed (fraction)"),
+      ("sync/update_lost_frac", "update lost, this push"),
+      ("sync/cumulative_update_lost_frac", "update lost, since the first push"),
+      ("sync/bf16_update_lost_frac", "lost to the bf16 push alone")]),
 ]
 
 

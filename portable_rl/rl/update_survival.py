@@ -1,0 +1,136 @@
+"""Did the update survive the push? How much of a step's weight update the engine's weights really receive.
+
+The engine does not serve the learner's fp32 master weights W but Q(W): the push rounds them to bf16 and a
+quantized engine re-quantizes that. Between two pushes k-1 and k, over the tracked entries:
+
+    Δ   = W_k − W_{k−1}                 the learner's update
+    Δ_q = Q(W_k) − Q(W_{k−1})           the update the engine serves
+
+    sync/quantized_changed_frac = mean[ Q(W_k) ≠ Q(W_{k−1}) ]      0: the engine's weights did not move
+    sync/update_lost_frac       = 1 − ⟨Δ_q, Δ⟩ / ‖Δ‖²              the share of the update the engine lacks,
+                                                                    measured along the update: 0 delivered,
+                                                                    1 nothing delivered (0 when Δ = 0)
+
+and the same since the first push (W_0): how much of everything the learner moved the engine now serves,
+
+    sync/cumulative_update_lost_frac = 1 − ⟨Q(W_k) − Q(W_0), W_k − W_0⟩ / ‖W_k − W_0‖²
+
+Measured along Δ, not as ‖Δ_q − Δ‖: an entry whose update crosses a rounding boundary jumps by a whole ulp,
+so ‖Δ_q − Δ‖ is dominated by rounding noise that averages out over entries and steps. The projection
+counts only what moves the served weights the learner's way. A weight that starts on the bf16 grid (every
+weight of a bf16 checkpoint) must move half an ulp before its served value changes at all, so small
+steps are lost until they add up; weights in the middle of a cell deliver them on average.
+
+Q, per engine `quantization` (what the adapter reports):
+
+    None (bf16 engine)     Q(W) = bf16(W)
+    "fp8_per_channel"      B = bf16(W);  s_c = max(max_i |B_ic| / 448, 1 / (448·512));
+                           Q(W)_ic = e4m3(B_ic / s_c) · s_c
+                           (one scale per output channel c: vLLM's online per-channel weight quantization,
+                           checked against vLLM's own functions in tests/test_update_survival.py)
+
+The bf16 stage alone is always reported too (`sync/bf16_changed_frac`, `sync/bf16_update_lost_frac`; for a
+bf16 engine the same numbers): what the push's rounding loses before any quantizer. Other schemes (per-tensor
+or blockwise FP8, fake quantization) get the bf16 stage only: their scales span fused or tiled groups that
+this tracker does not model.
+
+Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down;
+the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
+those channels; the tracker keeps their previous and first fp32 values (8 / channel_stride bytes per
+projection parameter, sharded like the params; after a resume "first" is the first push of that process). All of it is one jitted function of the model, run by every process.
+
+Why: at RL learning rates most Adam steps are smaller than half a bf16 ulp of the weight they move (for
+|w| ≈ 0.5 the bf16 spacing is 2^-8 ≈ 0.004 against lr-sized steps of 1e-5..1e-4), so the served policy can
+lag the learner's without any error anywhere (QuRL, arXiv 2602.13953; docs/training.md "SmolLM2").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from portable_rl.convert.hf import get_param
+from portable_rl.convert.mapping import param_mappings
+from portable_rl.engines.quantize import FP8_MAX, is_quantized_projection
+
+TRACKED_SCHEMES = (None, "fp8_per_channel")
+
+
+def served_bf16(w):
+    """[in, C] f32 -> the values a bf16 push delivers, as f32."""
+    return w.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def served_fp8_per_channel(w):
+    """[in, C] f32 (NNX kernel: output channels are columns) -> the per-channel e4m3 values, as f32."""
+    b = served_bf16(w)
+    # vLLM 0.32 (online/fp8.py): scale = max(amax / 448, 1 / (448 * 512)); true division, clamp, cast.
+    scale = jnp.maximum(jnp.max(jnp.abs(b), axis=0, keepdims=True) / FP8_MAX, 1.0 / (FP8_MAX * 512))  # [1, C]
+    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)    # [in, C]
+    return q.astype(jnp.float32) * scale
+
+
+def _stage_metrics(served, new, old):
+    """(fraction of changed served entries, 1 − ⟨Δ_q, Δ⟩ / ‖Δ‖²), both over all the matrices together."""
+    changed = total = along = delta_sq = 0.0
+    for w_new, w_old in zip(new, old):
+        q_new, q_old = served(w_new), served(w_old)
+        delta = w_new - w_old
+        changed += jnp.sum(q_new != q_old)
+        total += q_new.size
+        along += jnp.sum((q_new - q_old) * delta)
+        delta_sq += jnp.sum(jnp.square(delta))
+    lost = jnp.where(delta_sq > 0, 1.0 - along / jnp.where(delta_sq > 0, delta_sq, 1.0), 0.0)
+    return changed / total, lost  # the same weights: (0, 0)
+
+
+def _served_fn(quantization):
+    return served_fp8_per_channel if quantization == "fp8_per_channel" else served_bf16
+
+
+@functools.partial(jax.jit, static_argnames=("quantization",))
+def _metrics(new, old, first, quantization):
+    """The bf16 stage always; the engine's whole quantizer when it is modelled (TRACKED_SCHEMES)."""
+    bf16_changed, bf16_lost = _stage_metrics(served_bf16, new, old)
+    out = {"sync/bf16_changed_frac": bf16_changed, "sync/bf16_update_lost_frac": bf16_lost}
+    if quantization in TRACKED_SCHEMES:
+        served = _served_fn(quantization)
+        changed, lost = (bf16_changed, bf16_lost) if quantization is None else _stage_metrics(served, new, old)
+        out.update({"sync/quantized_changed_frac": changed, "sync/update_lost_frac": lost,
+                    "sync/cumulative_update_lost_frac": _stage_metrics(served, new, first)[1]})
+    return out
+
+
+def _subset(kernels, stride: int):
+    # Always a copy: the learner's step donates the params' buffers, and with stride 1 a jitted slice may
+    # hand back the input buffer itself.
+    return [jnp.array(k[:, ::stride], jnp.float32, copy=True) for k in kernels]
+
+
+class UpdateSurvival:
+    """Call `measure(model)` right before each push: {} the first time, then the metrics of the module doc."""
+
+    def __init__(self, model_config, quantization: str | None, *, channel_stride: int = 16):
+        if channel_stride < 1:
+            raise ValueError(f"channel_stride must be >= 1, got {channel_stride}; disable the tracker with "
+                             "train.update_survival_stride=0")
+        self.paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+        self.quantization = quantization if quantization in TRACKED_SCHEMES else "unmodelled"
+        self.stride = channel_stride
+        self._previous = self._first = None
+        self.note = (None if quantization in TRACKED_SCHEMES else
+                     f"[train] sync/quantized_*: quantization {quantization!r} is not modelled "
+                     f"(tracked: {', '.join(str(s) for s in TRACKED_SCHEMES)}); the metrics are its bf16 stage")
+
+    def measure(self, model) -> dict[str, float]:
+        kernels = [get_param(model, p)[...] for p in self.paths]
+        current = _subset(kernels, self.stride)
+        previous, self._previous = self._previous, current
+        if previous is None:
+            self._first = current
+            return {}
+        return {k: float(np.asarray(v)) for k, v in
+                _metrics(current, previous, self._first, self.quantization).items()}

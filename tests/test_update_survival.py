@@ -1,0 +1,122 @@
+"""sync/quantized_changed_frac and sync/update_lost_frac (rl/update_survival.py) on a tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.model import Transformer
+from portable_rl.rl.update_survival import UpdateSurvival, served_fp8_per_channel
+
+CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def _model(seed=0, on_bf16_grid=True):
+    """A float32 model; `on_bf16_grid`: every weight a bf16 value, as when loaded from a bf16 checkpoint."""
+    model = Transformer(CONFIG, compute_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    if on_bf16_grid:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), state))
+    return model
+
+
+def _moved(model, scale, seed=1):
+    """Every parameter w -> w + scale * |w| * N(0, 1): a relative update of size `scale`."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jnp.abs(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_per_channel"])
+def test_same_weights_zero_large_update_survives_tiny_update_lost(quantization):
+    model = _model()
+    tracker = UpdateSurvival(CONFIG, quantization, channel_stride=1)
+    assert tracker.measure(model) == {}  # the first push has nothing to compare with
+    same = tracker.measure(model)
+    assert same["sync/quantized_changed_frac"] == 0.0 and same["sync/update_lost_frac"] == 0.0
+    assert same["sync/bf16_changed_frac"] == 0.0 and same["sync/cumulative_update_lost_frac"] == 0.0
+
+    large = tracker.measure(_moved(model, 0.5))          # 50 % of each weight: far above any ulp
+    assert large["sync/quantized_changed_frac"] > 0.95
+    assert abs(large["sync/update_lost_frac"]) < (0.01 if quantization is None else 0.05)
+
+    tracker.measure(model)
+    tiny = tracker.measure(_moved(model, 1e-4))          # 0.01 %: far below half a bf16 ulp (0.2-0.4 %)
+    assert tiny["sync/bf16_changed_frac"] < 0.01 and tiny["sync/quantized_changed_frac"] < 0.01
+    assert tiny["sync/update_lost_frac"] > 0.95          # from the bf16 grid none of it reaches the engine
+    if quantization is None:  # a bf16 engine serves the bf16 stage: the same numbers under both names
+        assert tiny["sync/quantized_changed_frac"] == tiny["sync/bf16_changed_frac"]
+
+
+def test_small_steps_add_up_and_mid_cell_weights_deliver_on_average():
+    """Masters keep what rounding drops: repeated sub-ulp steps in one direction cross the boundary."""
+    model = _model()
+    tracker = UpdateSurvival(CONFIG, None, channel_stride=1)
+    tracker.measure(model)
+    graphdef, state = nnx.split(model)
+    step = jax.tree.map(lambda x: 3e-4 * jnp.abs(x), state)  # 0.03 % up, every step
+    per_step = []
+    for k in range(1, 31):
+        per_step.append(tracker.measure(nnx.merge(graphdef, jax.tree.map(lambda x, d: x + k * d, state, step))))
+    assert per_step[0]["sync/update_lost_frac"] > 0.95          # the first small step is lost ...
+    assert per_step[-1]["sync/cumulative_update_lost_frac"] < 0.5  # ... 30 of them (~1 ulp) mostly arrive
+    assert max(r["sync/quantized_changed_frac"] for r in per_step) > 0.02
+    # Weights off the grid (an fp32 run's weights after some training): the same tiny step, delivered on average.
+    off_grid = UpdateSurvival(CONFIG, None, channel_stride=1)
+    fp32_model = _model(on_bf16_grid=False)
+    off_grid.measure(fp32_model)
+    got = off_grid.measure(_moved(fp32_model, 1e-3))
+    assert abs(got["sync/update_lost_frac"]) < 0.5 and got["sync/bf16_changed_frac"] > 0.01
+
+
+def test_channel_subset_tracks_the_same_fractions():
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                                 num_key_value_heads=4, head_dim=32)
+    graphdef, state = nnx.split(Transformer(config, compute_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), state))
+    moved = _moved(model, 2e-3)
+    full, sub = UpdateSurvival(config, "fp8_per_channel", channel_stride=1), UpdateSurvival(config, "fp8_per_channel")
+    assert sub.stride == 16  # the default
+    for t in (full, sub):
+        t.measure(model)
+    a, b = full.measure(moved), sub.measure(moved)
+    assert 0.05 < a["sync/quantized_changed_frac"] < 0.95  # a partly surviving update, so the check means something
+    for k in a:
+        assert abs(a[k] - b[k]) < 0.05, (k, a[k], b[k])
+
+
+def test_unmodelled_scheme_reports_the_bf16_stage_only():
+    model = _model()
+    tracker = UpdateSurvival(CONFIG, "fp8_blockwise")
+    assert "fp8_blockwise" in tracker.note
+    tracker.measure(model)
+    got = tracker.measure(_moved(model, 0.5))
+    assert set(got) == {"sync/bf16_changed_frac", "sync/bf16_update_lost_frac"}  # no sync/quantized_* guess
+    with pytest.raises(ValueError, match="update_survival_stride=0"):
+        UpdateSurvival(CONFIG, None, channel_stride=0)
+
+
+def test_fp8_per_channel_is_vllms_formula():
+    torch = pytest.importorskip("torch")
+    fp8 = pytest.importorskip("vllm.model_executor.layers.quantization.online.fp8")
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (48, 24)).astype(np.float32)   # NNX kernel [in, out]
+    w[:, 3] = 0.0                                           # an all-zero channel
+    w[5, 7] = 3.0                                           # an outlier sets its channel's scale
+    ours = np.asarray(served_fp8_per_channel(jnp.asarray(w)))
+    weight = torch.from_numpy(w.T.copy()).to(torch.bfloat16)  # HF [out, in], as pushed
+    scale = fp8._fp8_channel_scale(weight_amax(weight, dim=-1, keepdim=True))
+    theirs = (fp8._fp8_quant_per_channel(weight, scale).float() * scale).numpy().T
+    # The same e4m3 value for every entry (a different code is >= 1/16 relative); the scales agree to an
+    # fp32 ulp (XLA may divide by 448 as a multiplication by its reciprocal).
+    np.testing.assert_allclose(ours, theirs, rtol=5e-7, atol=0)
+    assert (ours[:, 3] == 0).all() and ours[5, 7] == pytest.approx(3.0, rel=1e-6)
