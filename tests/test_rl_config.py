@@ -71,6 +71,12 @@ def test_parts_round_trip_and_validate_their_own_fields():
                                (DataConfig, dict(max_gen_batches=0), "max_gen_batches=0"),
                                (LossConfig, dict(advantage="ppo"), "advantage='ppo'"),
                                (LossConfig, dict(policy_loss_mode="bypas"), "policy_loss_mode='bypas'"),
+                               # checked when the config is built, not at the first loss evaluation
+                               (LossConfig, dict(loss_aggregation="token_mean"), "loss_aggregation='token_mean'"),
+                               (LossConfig, dict(ppo_epochs=0), "ppo_epochs=0"),
+                               (LossConfig, dict(dual_clip_c=1.0), "dual_clip_c=1.0 must be > 1"),
+                               (LossConfig, dict(overlong_buffer=-1), "overlong_buffer=-1"),
+                               (LossConfig, dict(loss_norm_constant=0), "loss_norm_constant=0"),
                                (SafetyConfig, dict(max_nonfinite_fraction=2.0), "must be in \\[0, 1\\]")]:
         with pytest.raises(ConfigError, match=message):
             part(**bad)

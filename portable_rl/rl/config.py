@@ -73,10 +73,25 @@ class LossConfig:
     policy_loss_mode: str = "decoupled"
 
     def __post_init__(self):
+        from portable_rl.learner_jax.losses import AGGREGATIONS  # the loss owns the list; checked here, at config time
+
         if self.advantage not in ADVANTAGES:
             raise ConfigError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")
         if self.policy_loss_mode not in POLICY_LOSS_MODES:
             raise ConfigError(f"policy_loss_mode={self.policy_loss_mode!r}; use one of {POLICY_LOSS_MODES}")
+        if self.loss_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"loss_aggregation={self.loss_aggregation!r}; use one of {AGGREGATIONS}")
+        for name in ("mini_batch_size", "ppo_epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.overlong_buffer < 0:
+            raise ConfigError(f"overlong_buffer={self.overlong_buffer} must be >= 0 (0 disables overlong shaping)")
+        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
+            raise ConfigError(f"clip_eps_low={self.clip_eps_low}, clip_eps_high={self.clip_eps_high} must be >= 0")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+            raise ConfigError(f"dual_clip_c={self.dual_clip_c} must be > 1 (or None to disable dual clip)")
+        if self.loss_norm_constant is not None and self.loss_norm_constant < 1:
+            raise ConfigError(f"loss_norm_constant={self.loss_norm_constant} must be >= 1 (or None: max_response_tokens)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
