@@ -13,55 +13,50 @@ step k+1 with training on step k, one step off-policy (rl/async_rollout.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: tensors pass by reference
 # vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
-          algorithm=None, optimizer_factory: Optional[Callable] = None, correction=None, seed: int = 0,
-          eval_every: int = 10, eval_max_tokens: Optional[int] = None, eval_size: Optional[int] = None,
-          checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
-          chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
-          master_dtype: Optional[str] = "float32",
-          compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
-          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
-          max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
-          remat: str = "none", progress: bool = True, memory_plan=None,
-          update_survival_stride: int = 16) -> list[dict]:
-    """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
+@dataclasses.dataclass
+class RunSetup:
+    """What a run starts from: built once per process by `setup_run`, then only read by the loop."""
+    run_dir: Path
+    procs: Any                # rl.multihost.Processes: this process's role among the JAX processes
+    cfg: Any                  # rl.dapo.DapoConfig
+    codec: Any                # rl.codec.TextCodec: prompts ↔ token ids (chat template or not)
+    reward_fn: Callable
+    model: Any                # learner_jax.model.Transformer (restored when resuming)
+    model_config: Any
+    optimizer: Any            # nnx.Optimizer (restored when resuming)
+    learner: Any              # rl.learner.Learner
+    ckpts: Any                # learner_jax.checkpoint.Checkpointer
+    start_step: int           # 0, or the restored checkpoint's step
+    held_out: list            # the task's first eval_size held-out examples
+    budget: Any               # memory_plan.Budget or None
 
-    `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
-    hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
-    Several JAX processes (`python -m portable_rl.launch`): process 0 owns the engine and the logs, the
-    others follow it (rl/roles.py); every process runs the same sharded step and checkpoint.
-    Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
-    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
-    (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
-    `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
-    `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
-    `sync/quantized_changed_frac` / `sync/update_lost_frac` (rl/update_survival.py, docs/training.md); 0: off.
-    `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
-    learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
-    learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
-    """
-    from portable_rl.rl.colocation import TimeSharing
 
+def setup_run(*, run_dir, model_path, task, algorithm=None, optimizer_factory=None, correction=None,
+              eval_size=None, keep_checkpoints=2, warmstart_fn=None, chat_template=False, param_dtype="float32",
+              master_dtype="float32", compute_dtype="bfloat16", mesh=None, attention_impl="auto",
+              pack_sequences=True, max_tokens_per_micro_batch=None, logprob_chunk_tokens=None, remat="none",
+              memory_plan=None) -> RunSetup:
+    """Memory plan, warm start, model, optimizer, learner, checkpoint restore and held-out set, in the order
+    they depend on each other (train()'s arguments of the same names). Runs on every process."""
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
         from portable_rl.memory_plan import prepare
 
         budget = prepare(memory_plan)
-    timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=async_rollouts)
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from tqdm import tqdm
 
     from portable_rl import tis
     from portable_rl.convert.hf import load_hf_model
@@ -72,12 +67,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import DapoConfig
     from portable_rl.rl.learner import Learner
-    from portable_rl.rl.metrics import MetricsWriter
     from portable_rl.rl.multihost import Processes
-    from portable_rl.rl.preemption import StopRequest
-    from portable_rl.rl.roles import EngineSide, FollowerSide
-    from portable_rl.rl.rollout import check_nonfinite_fraction
-    from portable_rl.engines.base import SamplingConfig
     from portable_rl.tasks import get_reward
 
     cfg = algorithm or DapoConfig()
@@ -119,13 +109,65 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         start_step = ckpts.restore(model, optimizer).step
         print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
     held_out = list(task.eval_examples())[:eval_size]
+    return RunSetup(run_dir=run_dir, procs=procs, cfg=cfg, codec=codec, reward_fn=reward_fn, model=model,
+                    model_config=model_config, optimizer=optimizer, learner=learner, ckpts=ckpts,
+                    start_step=start_step, held_out=held_out, budget=budget)
+
+
+def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
+          algorithm=None, optimizer_factory: Optional[Callable] = None, correction=None, seed: int = 0,
+          eval_every: int = 10, eval_max_tokens: Optional[int] = None, eval_size: Optional[int] = None,
+          checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
+          chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
+          master_dtype: Optional[str] = "float32",
+          compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
+          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
+          max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
+          remat: str = "none", progress: bool = True, memory_plan=None,
+          update_survival_stride: int = 16) -> list[dict]:
+    """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
+
+    `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
+    hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
+    Several JAX processes (`python -m portable_rl.launch`): process 0 owns the engine and the logs, the
+    others follow it (rl/roles.py); every process runs the same sharded step and checkpoint.
+    Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
+    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
+    (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
+    `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
+    `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
+    `sync/quantized_changed_frac` / `sync/update_lost_frac` (rl/update_survival.py, docs/training.md); 0: off.
+    `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
+    learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
+    learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
+    """
+    from tqdm import tqdm
+
+    from portable_rl.engines.base import SamplingConfig
+    from portable_rl.rl.colocation import TimeSharing
+    from portable_rl.rl.metrics import MetricsWriter
+    from portable_rl.rl.preemption import StopRequest
+    from portable_rl.rl.roles import EngineSide, FollowerSide
+    from portable_rl.rl.rollout import check_nonfinite_fraction
+
+    run = setup_run(run_dir=run_dir, model_path=model_path, task=task, algorithm=algorithm,
+                    optimizer_factory=optimizer_factory, correction=correction, eval_size=eval_size,
+                    keep_checkpoints=keep_checkpoints, warmstart_fn=warmstart_fn, chat_template=chat_template,
+                    param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype, mesh=mesh,
+                    attention_impl=attention_impl, pack_sequences=pack_sequences,
+                    max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                    logprob_chunk_tokens=logprob_chunk_tokens, remat=remat, memory_plan=memory_plan)
+    cfg, procs, codec, budget = run.cfg, run.procs, run.codec, run.budget
+    model, model_config, optimizer, learner, ckpts = run.model, run.model_config, run.optimizer, run.learner, run.ckpts
+    start_step, held_out, run_dir = run.start_step, run.held_out, run.run_dir
+    timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=async_rollouts)
     # Installed before the engine starts: a SIGTERM from here on stops the run after its next complete step.
     with StopRequest() as stop:
         if procs.is_driver:  # the engine, the task draws, evaluation and the logs (rl/roles.py)
             side = EngineSide(
                 writer=MetricsWriter(run_dir, resume_step=start_step if start_step else -1),  # fresh run: clear rows
                 engine=engine_factory(model_path=model_path, **(budget.engine_kwargs() if budget else {})),
-                codec=codec, task=task, reward_fn=reward_fn,
+                codec=codec, task=task, reward_fn=run.reward_fn,
                 cfg=cfg, seed=seed, held_out=held_out,
                 probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
                 greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
@@ -172,13 +214,12 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 t3 = time.perf_counter()
                 side.wait_rollouts()  # async: the engine must be idle before its weights change
                 timeshare.push_phase()  # weights back for the push; the KV cache only after it
-                if survival:
-                    t_survival = time.perf_counter()
-                    m.update(survival.measure(model))
-                    m["time/update_survival"] = time.perf_counter() - t_survival
                 t_push = time.perf_counter()
                 side.push(model, model_config)
                 t4 = time.perf_counter()
+                if survival:  # of the weights just pushed; outside time/sync and time/wait_rollouts
+                    m.update(survival.measure(model))
+                    m["time/update_survival"] = time.perf_counter() - t4
                 timeshare.generate_phase()
                 if probe_prompts:
                     m.update(side.probe(learner))

@@ -60,3 +60,56 @@ class RolloutPrefetcher:
                 pass
             self._pending = None
         self._pool.shutdown(wait=True)
+
+
+# ----------------------------------------------------------------------------- the loop's rollout source
+class SyncRollouts:
+    """The on-policy source: step k's rollouts are generated when the loop asks for them."""
+
+    def __init__(self, generate: Callable):
+        self._generate = generate
+
+    def get(self, step: int, *, prefetch_next: bool):
+        """→ (step's result, generation seconds); `prefetch_next` is ignored."""
+        start = time.perf_counter()
+        result = self._generate(step)
+        return result, time.perf_counter() - start
+
+    def drain(self) -> None:
+        """Nothing is ever in flight."""
+
+    def close(self) -> None:
+        pass
+
+
+class PrefetchingRollouts:
+    """The one-step off-policy source (module doc): `get(k)` returns R_k and starts R_{k+1}."""
+
+    def __init__(self, generate: Callable):
+        self._prefetcher = RolloutPrefetcher(generate)
+        self._ready = None  # (step, result, seconds) of a generation that finished before it was asked for
+
+    def get(self, step: int, *, prefetch_next: bool):
+        if self._ready is None:
+            if self._prefetcher.pending_step is None:  # first step after (re)start: nothing to overlap with yet
+                self._prefetcher.submit(step)
+            self._ready = self._prefetcher.wait()
+        (ready_step, result, seconds), self._ready = self._ready, None
+        if ready_step != step:
+            raise RuntimeError(f"rollouts of step {ready_step} were prefetched, step {step} was asked for")
+        if prefetch_next:
+            self._prefetcher.submit(step + 1)  # sampled with the engine's current weights, θ_{step-1}
+        return result, seconds
+
+    def drain(self) -> None:
+        """Waits for an in-flight generation: the engine must be idle before its weights change."""
+        if self._prefetcher.pending_step is not None:
+            self._ready = self._prefetcher.wait()
+
+    def close(self) -> None:
+        self._prefetcher.close()
+
+
+def rollout_source(generate: Callable, *, prefetch: bool):
+    """The loop's one rollout interface: `get(step, prefetch_next=)`, `drain()`, `close()`."""
+    return PrefetchingRollouts(generate) if prefetch else SyncRollouts(generate)

@@ -3,6 +3,8 @@
     EngineSide: the only process, or process 0 (the driver)      FollowerSide: processes 1 .. N-1
     ───────────────────────────────────────────────────────      ────────────────────────────────
     rollouts(step): task draws → engine → rewards → dynamic        rollouts(step): the driver's broadcast
+        sampling (a rollout source: sync, or prefetching
+        step + 1 during training; rl/async_rollout.py)
         sampling → broadcast (kept rollouts, step metrics)            → the same batch
         → batch + advantages (dapo.build_batch)
     wait_rollouts(): async: the in-flight generation               (nothing)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from portable_rl.rl.async_rollout import RolloutPrefetcher
+from portable_rl.rl.async_rollout import rollout_source
 from portable_rl.rl.dapo import build_batch
 from portable_rl.rl.evaluation import evaluate_examples
 from portable_rl.rl.multihost import Processes, groups_from_wire, groups_to_wire, wire_bytes
@@ -46,8 +48,7 @@ class EngineSide:
         self.engine, self.writer, self.codec, self.task, self.reward_fn = engine, writer, codec, task, reward_fn
         self.cfg, self.seed, self.held_out, self.greedy, self.probe_ids = cfg, seed, held_out, greedy, probe_ids
         self.bucket_mb, self.procs = bucket_mb, procs
-        self.prefetch = RolloutPrefetcher(self._generate) if async_rollouts else None
-        self._ready = None  # async: (step, (groups, stats), generation seconds) generated during training
+        self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
         return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
@@ -59,17 +60,7 @@ class EngineSide:
         (async): start generating step + 1."""
         from portable_rl.tasks import data_metrics
 
-        t0 = time.perf_counter()
-        if self.prefetch is None:
-            groups, stats = self._generate(step)
-            seconds = time.perf_counter() - t0
-        else:
-            if self._ready is None:  # first step after (re)start: nothing to overlap with yet
-                self.prefetch.submit(step)
-                self._ready = self.prefetch.wait()
-            (_, (groups, stats), seconds), self._ready = self._ready, None
-            if prefetch_next:
-                self.prefetch.submit(step + 1)  # sampled with the engine's current weights, θ_{step-1}
+        (groups, stats), seconds = self.source.get(step, prefetch_next=prefetch_next)
         metrics = {**stats, **data_metrics(self.task)}  # data/skipped_*: malformed dataset rows so far
         if self.procs.multiple:  # every process builds the batch from the same compact rollouts
             t_broadcast = time.perf_counter()
@@ -81,8 +72,7 @@ class EngineSide:
 
     def wait_rollouts(self) -> None:
         """The engine must be idle before its weights change: wait for an in-flight generation."""
-        if self.prefetch is not None and self.prefetch.pending_step is not None:
-            self._ready = self.prefetch.wait()
+        self.source.drain()
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")  # others wait here, not in a gather (async: generation runs on)
@@ -107,8 +97,7 @@ class EngineSide:
 
     def close(self) -> None:
         try:
-            if self.prefetch is not None:
-                self.prefetch.close()
+            self.source.close()
             self.writer.close()
         finally:
             self.engine.close()
