@@ -274,12 +274,10 @@ def main():
 
 
 def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in set(flags) if f.startswith(("avx512_bf16", "amx", "avx512f")))
+    """The flags that decide the engine dtype (and AVX-512 itself), for the record."""
+    from portable_rl.engines.cpu_features import cpu_flags as all_flags
+
+    return sorted(f for f in all_flags() if f.startswith(("avx512_bf16", "amx", "avx512f")))
 
 
 if __name__ == "__main__":

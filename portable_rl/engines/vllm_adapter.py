@@ -57,13 +57,13 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
+from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags  # noqa: F401 (re-exported)
 from portable_rl.engines.registry import register
 from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
-FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 _OMP_WARNED = False
 
@@ -72,18 +72,6 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU feature flags of the first core (empty when /proc/cpuinfo is unreadable: not Linux)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):  # x86 / ARM spelling
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_engine_dtype(flags: set[str] | None = None, quantization: str | None = None) -> tuple[str, str]:

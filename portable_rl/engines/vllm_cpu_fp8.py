@@ -48,9 +48,9 @@ def _compute_dtype(out_dtype):
 
     global _BF16_GEMM_IS_FAST
     if _BF16_GEMM_IS_FAST is None:
-        from portable_rl.engines.vllm_adapter import FAST_BF16_CPU_FLAGS, cpu_flags
+        from portable_rl.engines.cpu_features import has_fast_bf16
 
-        _BF16_GEMM_IS_FAST = bool(set(FAST_BF16_CPU_FLAGS) & cpu_flags())
+        _BF16_GEMM_IS_FAST = has_fast_bf16()
     return torch.bfloat16 if out_dtype == torch.bfloat16 and _BF16_GEMM_IS_FAST else torch.float32
 
 
