@@ -295,7 +295,7 @@ def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None
     """Greedy held-out accuracy of the start, ours and TRL, in one bf16 vLLM-CPU engine."""
     import jax.numpy as jnp
     import torch
-    from safetensors.torch import load_file
+    from portable_rl.engines.fake_quant import read_checkpoint_tensors
 
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.engines import create_engine
@@ -329,10 +329,8 @@ def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None
             push_weights(engine, model, model_config)
             score("ours")
         if trl_dir is not None:
-            state = {}
-            for f in sorted((trl_dir / "final").glob("*.safetensors")):
-                state.update(load_file(str(f)))
-            engine.update_weights((k, v.to(torch.bfloat16)) for k, v in state.items())
+            state = read_checkpoint_tensors(str(trl_dir / "final"))  # every (name, tensor) of its safetensors
+            engine.update_weights((k, v.to(torch.bfloat16)) for k, v in state)
             score("trl")
     finally:
         engine.close()

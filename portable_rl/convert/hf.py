@@ -70,11 +70,15 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     if (path / SAFE_INDEX).exists():
         weight_map = json.loads((path / SAFE_INDEX).read_text())["weight_map"]
         return {name: path / fname for name, fname in weight_map.items()}
-    files = [path / SAFE_SINGLE] if (path / SAFE_SINGLE).exists() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}; re-save the checkpoint with "
-                                f"transformers' save_pretrained(..., safe_serialization=True)")
     from safetensors import safe_open
+
+    from portable_rl.engines.checkpoint import safetensors_files  # the one listing rule (pure Python)
+
+    try:
+        files = [path / SAFE_SINGLE] if (path / SAFE_SINGLE).exists() else [Path(f) for f in safetensors_files(path)]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no *.safetensors in {path}; re-save the checkpoint with "
+                                f"transformers' save_pretrained(..., safe_serialization=True)") from None
     out = {}
     for f in files:
         with safe_open(f, framework="flax") as st:
