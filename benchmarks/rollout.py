@@ -5,12 +5,16 @@ checkpoint, one bf16 and one `quantization="fp8_per_channel"` (weights quantized
 activations per token), generate for the SAME prompts with the SAME seeded sampling (temperature 1, top_p 1,
 top_k -1). The engines alternate (bf16, fp8, bf16, fp8, ...) so background load hits both alike:
 
-    tokens/s = generated response tokens / wall time of one `generate` call      (median over --reps)
+    tokens/s = generated response tokens / wall time of one `generate` call      (median over --reps;
+               the prefix cache is reset before each call, so every call prefills its prompts)
     ratio    = fp8 tokens/s / bf16 tokens/s
 
-On CPU the FP8 GEMM is oneDNN's fp8 `_scaled_mm` (engines/vllm_cpu_fp8.py); there is no FP8 matrix unit, so
-the fp8 operands are widened inside the kernel and this ratio says little about FP8 tensor-core GEMMs on a
-GPU (there, expect fp8 ≥ bf16 once GEMMs dominate).
+On CPU the FP8 GEMM is engines/vllm_cpu_fp8.py's dense GEMM of the exactly upcast fp8 operands (there is
+no FP8 matrix unit), so this ratio says little about FP8 tensor-core GEMMs on a GPU (there, expect
+fp8 ≥ bf16 once GEMMs dominate). `--fp8-baseline` adds a third arm on the same fp8 engine: vLLM's own
+kernel with row-wise scales (`torch._scaled_mm` → oneDNN, the previous fast path), alternating with the
+others, for the speed-up of the dense path in one run. `--model DIR` benchmarks an HF checkpoint directory
+(e.g. checkpoints/smollm2-135m-instruct) instead of a random Qwen2.
 
 Breakdown. `--run-dir RUN` reads RUN/metrics.jsonl (written by `portable_rl.train`) and prints the medians of
 time/generate, time/logprob, time/train, time/sync and time/step over steps, their shares of the step
@@ -19,6 +23,7 @@ each per-step diagnostic (`DIAGNOSTICS`: time/update_survival) < 1 %.
 
     python benchmarks/rollout.py [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
                                  [--prompts 16 --max-tokens 32 --reps 2] [--tiny] [--json]
+    python benchmarks/rollout.py --model checkpoints/smollm2-135m-instruct --prompts 32 --max-tokens 64 --fp8-baseline
     python benchmarks/rollout.py --run-dir runs/dapo_fp8
 
 Runtime on the 2-core box is dominated by the fp8 engine (~4 tok/s at 16 layers): about 4 min
@@ -92,12 +97,51 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, 98, int(rng.integers(16, 49))).tolist() for _ in range(n)]
 
 
+def _onednn_rowwise_scaled_mm(self, *, A, B, out_dtype, As, Bs, bias, output_shape):
+    """The baseline arm: vLLM's per-channel formula through `torch._scaled_mm` with row-wise scales (oneDNN)."""
+    import torch
+
+    m = 1
+    for d in output_shape[:-1]:
+        m *= d
+    scale_a = As.to(torch.float32).reshape(-1, 1)
+    scale_a = (scale_a.expand(m, 1) if scale_a.shape[0] == 1 else scale_a[:m]).contiguous()
+    scale_b = Bs.to(torch.float32).reshape(1, -1).expand(1, B.shape[1]).contiguous()
+    out = torch._scaled_mm(A[:m], B, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out if bias is None else out + bias).to(out_dtype).view(*output_shape)
+
+
+class _Fp8Kernel:
+    """Runs an fp8 engine's generate with a chosen CPU GEMM (the dense fast path, or the oneDNN baseline)."""
+
+    def __init__(self, engine, kernel):
+        self.engine, self.kernel = engine, kernel
+
+    def generate(self, prompts, sampling):
+        from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel as K
+
+        dense = K.apply_scaled_mm
+        K.apply_scaled_mm = self.kernel or dense
+        try:
+            return self.engine.generate(prompts, sampling)
+        finally:
+            K.apply_scaled_mm = dense
+
+    def close(self):
+        pass  # the engine is closed once, under its own name
+
+
 def throughput(args) -> dict:
     from portable_rl.engines import SamplingConfig, create_engine
     from portable_rl.testing import make_tiny_checkpoint
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
-    if args.tiny:
+    if args.model:
+        ckpt, name = args.model, os.path.basename(os.path.normpath(args.model))
+        if not os.path.exists(os.path.join(ckpt, "config.json")):
+            sys.exit(f"--model {ckpt}: no config.json there; pass an HF checkpoint directory")
+    elif args.tiny:
         dims = dict(size="tiny", vocab_size=128)
         name = "qwen2_tiny"
     else:
@@ -106,14 +150,19 @@ def throughput(args) -> dict:
                     num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64 // 4,
                     head_dim=64, tie_word_embeddings=True)
         name = f"qwen2_l{args.layers}_d{args.hidden}_f{args.intermediate}_v{args.vocab}"
-    ckpt = os.path.join(workdir, name)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_tiny_checkpoint(ckpt, "qwen2", dtype="bfloat16", **dims)
+    if not args.model:
+        ckpt = os.path.join(workdir, name)
+        if not os.path.exists(os.path.join(ckpt, "config.json")):
+            make_tiny_checkpoint(ckpt, "qwen2", dtype="bfloat16", **dims)
     from safetensors import safe_open
     import math
 
-    with safe_open(os.path.join(ckpt, "model.safetensors"), framework="numpy") as st:
-        n_params = sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    from portable_rl.engines.checkpoint import safetensors_files
+
+    n_params = 0
+    for path in safetensors_files(ckpt):
+        with safe_open(path, framework="numpy") as st:
+            n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
 
     max_len = 48 + args.max_tokens
     engines = {
@@ -121,6 +170,10 @@ def throughput(args) -> dict:
         "fp8_per_channel": create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
                                          engine_init_kwargs={"quantization": "fp8_per_channel"}),
     }
+    owned = list(engines.values())
+    if args.fp8_baseline:  # both fp8 arms reset the shared engine's prefix cache before each call
+        engines["fp8_per_channel"] = _Fp8Kernel(engines["fp8_per_channel"], None)
+        engines["fp8_onednn_baseline"] = _Fp8Kernel(engines["fp8_per_channel"].engine, _onednn_rowwise_scaled_mm)
     prompts = make_prompts(args.prompts)
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens, seed=0)
     times = {k: [] for k in engines}
@@ -128,6 +181,8 @@ def throughput(args) -> dict:
     try:
         for i in range(1 + args.reps):  # round 0 warms up
             for kind, engine in engines.items():
+                # Every call prefills its prompts (and no arm reuses KV entries another arm's GEMM computed).
+                (engine.engine if isinstance(engine, _Fp8Kernel) else engine)._llm.reset_prefix_cache()
                 start = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
                 elapsed = time.perf_counter() - start
@@ -141,13 +196,16 @@ def throughput(args) -> dict:
                 print(f"rollout: round {i} {kind}: {n_tokens} tokens in {elapsed:.2f} s"
                       f"{' (warm-up)' if i == 0 else ''}", file=sys.stderr, flush=True)
     finally:
-        for engine in engines.values():
+        for engine in owned:
             engine.close()
     medians = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens[k] / medians[k] for k in engines}
-    return {"model": name, "params": n_params, "prompts": args.prompts, "max_tokens": args.max_tokens,
-            "reps": args.reps, "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps,
-            "ratio_fp8_over_bf16": tps["fp8_per_channel"] / tps["bf16"]}
+    out = {"model": name, "params": n_params, "prompts": args.prompts, "max_tokens": args.max_tokens,
+           "reps": args.reps, "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps,
+           "ratio_fp8_over_bf16": tps["fp8_per_channel"] / tps["bf16"]}
+    if args.fp8_baseline:
+        out["ratio_dense_over_onednn"] = tps["fp8_per_channel"] / tps["fp8_onednn_baseline"]
+    return out
 
 
 def main():
@@ -162,6 +220,9 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--workdir", default=None, help="where the checkpoint goes (reused if present)")
+    parser.add_argument("--model", default=None, help="an HF checkpoint directory instead of a random Qwen2")
+    parser.add_argument("--fp8-baseline", action="store_true",
+                        help="add vLLM's own per-channel kernel (oneDNN _scaled_mm) on the same fp8 engine")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -177,10 +238,12 @@ def main():
         return
     print(f"model {r['model']} ({r['params'] / 1e6:.1f}M params), {r['prompts']} prompts x {r['max_tokens']} "
           f"max tokens, median of {r['reps']} alternating generate calls")
-    for kind in ("bf16", "fp8_per_channel"):
-        print(f"  {kind:<16} {r['median_s'][kind]:7.2f} s  {r['generated_tokens'][kind]:6d} tokens  "
+    for kind in r["median_s"]:
+        print(f"  {kind:<20} {r['median_s'][kind]:7.2f} s  {r['generated_tokens'][kind]:6d} tokens  "
               f"{r['tokens_per_s'][kind]:8.1f} tok/s")
     print(f"  fp8 / bf16 tokens/s: {r['ratio_fp8_over_bf16']:.2f}x (CPU: says little about GPU FP8 GEMMs)")
+    if "ratio_dense_over_onednn" in r:
+        print(f"  fp8 dense path / oneDNN baseline tokens/s: {r['ratio_dense_over_onednn']:.2f}x")
 
 
 if __name__ == "__main__":
