@@ -40,13 +40,14 @@ class RunSetup:
     start_step: int           # 0, or the restored checkpoint's step
     held_out: list            # the task's first eval_size held-out examples
     budget: Any               # memory_plan.Budget or None
+    survival: Any             # rl.update_survival.UpdateSurvival (its W_0: the starting checkpoint) or None
 
 
 def setup_run(*, run_dir, model_path, task, algorithm=None, optimizer_factory=None, correction=None,
               eval_size=None, keep_checkpoints=2, warmstart_fn=None, chat_template=False, param_dtype="float32",
               master_dtype="float32", compute_dtype="bfloat16", mesh=None, attention_impl="auto",
               pack_sequences=True, max_tokens_per_micro_batch=None, logprob_chunk_tokens=None, remat="none",
-              memory_plan=None) -> RunSetup:
+              memory_plan=None, update_survival_stride=16) -> RunSetup:
     """Memory plan, warm start, model, optimizer, learner, checkpoint restore and held-out set, in the order
     they depend on each other (train()'s arguments of the same names). Runs on every process."""
     budget = None
@@ -103,6 +104,12 @@ def setup_run(*, run_dir, model_path, task, algorithm=None, optimizer_factory=No
     learner = Learner(model, optimizer, cfg, correction, mesh=make_mesh(mesh) if mesh is not None else None,
                       memory=memory)
 
+    survival = None
+    if update_survival_stride:  # its reference is the starting checkpoint, taken before a resume restores
+        from portable_rl.rl.update_survival import UpdateSurvival
+
+        survival = UpdateSurvival(model_config, channel_stride=update_survival_stride)
+        survival.reference(model)
     ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
     start_step = 0
     if ckpts.latest_step() is not None:
@@ -111,7 +118,7 @@ def setup_run(*, run_dir, model_path, task, algorithm=None, optimizer_factory=No
     held_out = list(task.eval_examples())[:eval_size]
     return RunSetup(run_dir=run_dir, procs=procs, cfg=cfg, codec=codec, reward_fn=reward_fn, model=model,
                     model_config=model_config, optimizer=optimizer, learner=learner, ckpts=ckpts,
-                    start_step=start_step, held_out=held_out, budget=budget)
+                    start_step=start_step, held_out=held_out, budget=budget, survival=survival)
 
 
 def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
@@ -156,7 +163,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                     param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype, mesh=mesh,
                     attention_impl=attention_impl, pack_sequences=pack_sequences,
                     max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                    logprob_chunk_tokens=logprob_chunk_tokens, remat=remat, memory_plan=memory_plan)
+                    logprob_chunk_tokens=logprob_chunk_tokens, remat=remat, memory_plan=memory_plan,
+                    update_survival_stride=update_survival_stride)
     cfg, procs, codec, budget = run.cfg, run.procs, run.codec, run.budget
     model, model_config, optimizer, learner, ckpts = run.model, run.model_config, run.optimizer, run.learner, run.ckpts
     start_step, held_out, run_dir = run.start_step, run.held_out, run.run_dir
@@ -176,12 +184,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         else:  # receives the driver's batches and joins every collective
             side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
         timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it
-        survival = None
-        if update_survival_stride:  # every process computes it: the tracked weights are sharded like the params
-            from portable_rl.rl.update_survival import UpdateSurvival
-
-            served = procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None))
-            survival = UpdateSurvival(model_config, served, channel_stride=update_survival_stride)
+        survival = run.survival
+        if survival:  # every process computes it (the tracked weights are sharded like the params)
+            survival.serving(procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None)))
             if survival.note and procs.is_driver:
                 print(survival.note, flush=True)
         rows = []

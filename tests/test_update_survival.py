@@ -120,3 +120,18 @@ def test_fp8_per_channel_is_vllms_formula():
     # fp32 ulp (XLA may divide by 448 as a multiplication by its reciprocal).
     np.testing.assert_allclose(ours, theirs, rtol=5e-7, atol=0)
     assert (ours[:, 3] == 0).all() and ours[5, 7] == pytest.approx(3.0, rel=1e-6)
+
+
+def test_a_resumed_tracker_reports_what_an_uninterrupted_one_does():
+    """train.py sets W_0 from the starting checkpoint before a resume restores the run's weights."""
+    start = _model()
+    later, latest = _moved(start, 0.01, seed=2), _moved(_moved(start, 0.01, seed=2), 0.01, seed=3)
+    uninterrupted = UpdateSurvival(CONFIG, "fp8_per_channel", channel_stride=1)
+    uninterrupted.measure(start)
+    uninterrupted.measure(later)
+    want = uninterrupted.measure(latest)
+    resumed = UpdateSurvival(CONFIG, "fp8_per_channel", channel_stride=1)
+    resumed.reference(start)               # the starting checkpoint, before the restore
+    assert resumed.measure(later) == {}    # the resume push: nothing to compare with yet
+    assert resumed.measure(latest) == want
+    assert want["sync/cumulative_update_lost_frac"] != want["sync/update_lost_frac"]  # W_0 is not the last push

@@ -37,7 +37,7 @@ this tracker does not model.
 Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down;
 the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
 those channels; the tracker keeps their previous and first fp32 values (8 / channel_stride bytes per
-projection parameter, sharded like the params; after a resume "first" is the first push of that process). All of it is one jitted function of the model, run by every process.
+projection parameter, sharded like the params; "first" is the starting checkpoint, also after a resume). All of it is one jitted function of the model, run by every process.
 
 Why: at RL learning rates most Adam steps are smaller than half a bf16 ulp of the weight they move (for
 |w| ≈ 0.5 the bf16 spacing is 2^-8 ≈ 0.004 against lr-sized steps of 1e-5..1e-4), so the served policy can
@@ -111,26 +111,41 @@ def _subset(kernels, stride: int):
 
 
 class UpdateSurvival:
-    """Call `measure(model)` right before each push: {} the first time, then the metrics of the module doc."""
+    """`measure(model)` at each push: {} the first time, then the metrics of the module doc.
 
-    def __init__(self, model_config, quantization: str | None, *, channel_stride: int = 16):
+    `reference(model)` sets W_0 of the cumulative metric; train.py calls it on the starting checkpoint
+    before a resume restores the run's weights, so a resumed run reports what an uninterrupted one does.
+    Without it W_0 is the first measured push. `serving(quantization)` names the engine's scheme once the
+    engine has started (before it: None, a bf16 engine)."""
+
+    def __init__(self, model_config, quantization: str | None = None, *, channel_stride: int = 16):
         if channel_stride < 1:
             raise ValueError(f"channel_stride must be >= 1, got {channel_stride}; disable the tracker with "
                              "train.update_survival_stride=0")
         self.paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
-        self.quantization = quantization if quantization in TRACKED_SCHEMES else "unmodelled"
         self.stride = channel_stride
         self._previous = self._first = None
+        self.serving(quantization)
+
+    def serving(self, quantization: str | None) -> None:
+        """The engine's reported `quantization`; unmodelled schemes get the bf16 stage only (`note` says so)."""
+        self.quantization = quantization if quantization in TRACKED_SCHEMES else "unmodelled"
         self.note = (None if quantization in TRACKED_SCHEMES else
                      f"[train] sync/quantized_*: quantization {quantization!r} is not modelled "
                      f"(tracked: {', '.join(str(s) for s in TRACKED_SCHEMES)}); the metrics are its bf16 stage")
 
+    def _tracked(self, model):
+        return _subset([get_param(model, p)[...] for p in self.paths], self.stride)
+
+    def reference(self, model) -> None:
+        self._first = self._tracked(model)
+
     def measure(self, model) -> dict[str, float]:
-        kernels = [get_param(model, p)[...] for p in self.paths]
-        current = _subset(kernels, self.stride)
+        current = self._tracked(model)
         previous, self._previous = self._previous, current
-        if previous is None:
+        if self._first is None:
             self._first = current
+        if previous is None:
             return {}
         return {k: float(np.asarray(v)) for k, v in
                 _metrics(current, previous, self._first, self.quantization).items()}
