@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engines' INFO lines would bury the table
 
 QUESTIONS = [f"Tom has {a} apples. He buys {b} more and eats 2. How many apples does he have?"
              for a, b in zip(range(3, 67), range(2, 66))]
