@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from portable_rl.testing.processes import alive
+
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -94,14 +96,6 @@ def _wait_for(condition, proc, what, timeout=600):
     raise TimeoutError(f"no {what} after {timeout} s")
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _checkpoint_arrays(step_dir, item):
     """{path: numpy array} of one orbax item (model / optimizer) of a checkpoint step, read on one device."""
     import jax
@@ -165,7 +159,7 @@ def runs(tmp_path_factory):
         pids = _pids(log)
         _wait_for(lambda: 1 in _committed(run), proc, "step-1 checkpoint")
         os.kill(pids[1], signal.SIGKILL)
-        out["a"] = dict(code=proc.wait(timeout=120), pids=pids, alive=[_alive(p) for p in pids.values()],
+        out["a"] = dict(code=proc.wait(timeout=120), pids=pids, alive=[alive(p) for p in pids.values()],
                         committed=_committed(run), step_dirs=_step_dirs(run), rows=_rows(run))
     finally:
         proc.kill()
@@ -181,7 +175,7 @@ def runs(tmp_path_factory):
         _wait_for(lambda: log.read_text().count(resumed) == 2, proc, "both processes resuming")
         time.sleep(1.0)  # past the StopRequest install (milliseconds later); the engine takes > 10 s to start
         os.kill(pids[0], signal.SIGTERM)
-        out["b"] = dict(code=proc.wait(timeout=600), pids=pids, alive=[_alive(p) for p in pids.values()])
+        out["b"] = dict(code=proc.wait(timeout=600), pids=pids, alive=[alive(p) for p in pids.values()])
     finally:
         proc.kill()
     out["b"]["log"] = log.read_text()

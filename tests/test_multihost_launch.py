@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from portable_rl.testing.processes import alive
+
 REPO = Path(__file__).resolve().parent.parent
 CHILD = "tests.test_multihost_launch"  # run by the launcher as `python -m tests.test_multihost_launch`
 
@@ -23,14 +25,6 @@ def _launch(tmp_path, mode, **kw):
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_multihost_launcher_stops_all_when_one_dies(tmp_path):
     start = time.time()
     proc = _launch(tmp_path, "die")
@@ -39,7 +33,7 @@ def test_multihost_launcher_stops_all_when_one_dies(tmp_path):
     assert "[launch] error: process 2 (pid" in out and "exited with code 3; stopped the other 2 processes" in out
     assert time.time() - start < 30  # not the 120 s the others would sleep
     pids = [json.loads((tmp_path / f"{i}.json").read_text())["pid"] for i in range(3)]
-    assert not any(_alive(p) for p in pids)  # no orphan
+    assert not any(alive(p) for p in pids)  # no orphan
     env = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
     assert [e["PORTABLE_RL_PROCESS_ID"] for e in env] == ["0", "1", "2"]
     assert {e["PORTABLE_RL_COORDINATOR"] for e in env} == {env[0]["PORTABLE_RL_COORDINATOR"]}
