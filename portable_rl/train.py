@@ -43,13 +43,13 @@ class RunSetup:
     survival: Any             # rl.update_survival.UpdateSurvival (its W_0: the starting checkpoint) or None
 
 
-def setup_run(*, run_dir, model_path, task, algorithm=None, optimizer_factory=None, correction=None,
-              eval_size=None, keep_checkpoints=2, warmstart_fn=None, chat_template=False, param_dtype="float32",
-              master_dtype="float32", compute_dtype="bfloat16", mesh=None, attention_impl="auto",
-              pack_sequences=True, max_tokens_per_micro_batch=None, logprob_chunk_tokens=None, remat="none",
-              memory_plan=None, update_survival_stride=16) -> RunSetup:
+def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correction, eval_size,
+              keep_checkpoints, warmstart_fn, chat_template, param_dtype, master_dtype, compute_dtype, mesh,
+              attention_impl, pack_sequences, max_tokens_per_micro_batch, logprob_chunk_tokens, remat,
+              memory_plan, update_survival_stride) -> RunSetup:
     """Memory plan, warm start, model, optimizer, learner, checkpoint restore and held-out set, in the order
-    they depend on each other (train()'s arguments of the same names). Runs on every process."""
+    they depend on each other. Runs on every process. Every argument is train()'s of the same name (no
+    defaults here: train()'s signature is the one place they are set)."""
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
         from portable_rl.memory_plan import prepare
