@@ -11,7 +11,8 @@ quantized engine re-quantizes that. Between two pushes k-1 and k, over the track
                                                                     measured along the update: 0 delivered,
                                                                     1 nothing delivered (0 when Δ = 0)
 
-and the same since the first push (W_0): how much of everything the learner moved the engine now serves,
+and the same since the starting checkpoint (W_0): how much of everything the learner moved the engine now
+serves,
 
     sync/cumulative_update_lost_frac = 1 − ⟨Q(W_k) − Q(W_0), W_k − W_0⟩ / ‖W_k − W_0‖²
 
@@ -36,8 +37,9 @@ this tracker does not model.
 
 Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down;
 the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
-those channels; the tracker keeps their previous and first fp32 values (8 / channel_stride bytes per
-projection parameter, sharded like the params; "first" is the starting checkpoint, also after a resume). All of it is one jitted function of the model, run by every process.
+those channels; the tracker keeps their previous and starting fp32 values (8 / channel_stride bytes per
+projection parameter, sharded like the params; the starting ones also after a resume). Every process runs
+it: the subset copies, then one jitted function of them.
 
 Why: at RL learning rates most Adam steps are smaller than half a bf16 ulp of the weight they move (for
 |w| ≈ 0.5 the bf16 spacing is 2^-8 ≈ 0.004 against lr-sized steps of 1e-5..1e-4), so the served policy can
