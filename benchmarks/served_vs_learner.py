@@ -46,19 +46,27 @@ def _learner(model_dir, checkpoints, step, compute_dtype):
     return model, config
 
 
-def _score(model, rollouts, temperature):
-    import jax.numpy as jnp
-    import numpy as np
+class _ModelScorer:
+    """A bare model in the shape `rl.sync.learner_reference_fn` scores with (the post-sync probe's reference)."""
 
-    from portable_rl.learner_jax.logprobs import sequence_logprobs
+    def __init__(self, model, temperature):
+        self.model, self.temperature = model, temperature
 
-    seqs = [list(r.prompt_token_ids) + list(r.response_token_ids) for r in rollouts]
-    width = max(map(len, seqs))
-    ids, mask = np.zeros((len(seqs), width), np.int32), np.zeros((len(seqs), width), np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, 1
-    logp = np.asarray(sequence_logprobs(model, jnp.asarray(ids), jnp.asarray(mask), temperature)[0])
-    return [logp[i, len(r.prompt_token_ids):len(seqs[i])].tolist() for i, r in enumerate(rollouts)]
+    def logprobs(self, input_ids, attention_mask):
+        import jax.numpy as jnp
+        import numpy as np
+
+        from portable_rl.learner_jax.logprobs import sequence_logprobs
+
+        return np.asarray(sequence_logprobs(self.model, jnp.asarray(input_ids), jnp.asarray(attention_mask),
+                                            self.temperature)[0])
+
+
+def _score(model, rollouts, temperature, pad_id):
+    from portable_rl.rl.sync import learner_reference_fn
+
+    reference = learner_reference_fn(_ModelScorer(model, temperature), pad_id)
+    return reference([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts])
 
 
 def mismatch(args) -> dict:
@@ -83,7 +91,8 @@ def mismatch(args) -> dict:
     out = {}
 
     def row(name, rollouts, learner):
-        r = compare_logprobs([x.response_logprobs for x in rollouts], _score(learner, rollouts, args.temperature))
+        r = compare_logprobs([x.response_logprobs for x in rollouts],
+                             _score(learner, rollouts, args.temperature, tok.pad_token_id or 0))
         out[name] = {"k1": r.kl, "max_abs_diff": r.max_abs_diff, "tokens": r.n_tokens}
         print(f"{name:<55} k1 {r.kl:.4f}  max|Δ| {r.max_abs_diff:.2f}  ({r.n_tokens} tokens)", flush=True)
 
