@@ -45,8 +45,8 @@ class RunSetup:
 
 def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correction, eval_size,
               keep_checkpoints, warmstart_fn, chat_template, param_dtype, master_dtype, compute_dtype, mesh,
-              attention_impl, pack_sequences, max_tokens_per_micro_batch, logprob_chunk_tokens, remat,
-              memory_plan, update_survival_stride) -> RunSetup:
+              attention_impl, pack_sequences, share_prompts, max_tokens_per_micro_batch, logprob_chunk_tokens,
+              remat, memory_plan, update_survival_stride) -> RunSetup:
     """Memory plan, warm start, model, optimizer, learner, checkpoint restore and held-out set, in the order
     they depend on each other. Runs on every process. Every argument is train()'s of the same name (no
     defaults here: train()'s signature is the one place they are set)."""
@@ -72,7 +72,7 @@ def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correc
     from portable_rl.tasks import get_reward
 
     cfg = algorithm or DapoConfig()
-    memory = MemoryConfig(attention_impl=attention_impl, pack_sequences=pack_sequences,
+    memory = MemoryConfig(attention_impl=attention_impl, pack_sequences=pack_sequences, share_prompts=share_prompts,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                           logprob_chunk_tokens=logprob_chunk_tokens, remat=remat)
     correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
@@ -128,7 +128,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
           master_dtype: Optional[str] = "float32",
           compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
-          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True,
+          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True, share_prompts: bool = False,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
           remat: str = "none", progress: bool = True, memory_plan=None,
           update_survival_stride: int = 16) -> list[dict]:
@@ -139,7 +139,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     Several JAX processes (`python -m portable_rl.launch`): process 0 owns the engine and the logs, the
     others follow it (rl/roles.py); every process runs the same sharded step and checkpoint.
     Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
-    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `max_tokens_per_micro_batch`
+    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `share_prompts` (a prompt's
+    answers share one copy of its tokens), `max_tokens_per_micro_batch`
     (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
     `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
     `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
@@ -161,7 +162,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                     optimizer_factory=optimizer_factory, correction=correction, eval_size=eval_size,
                     keep_checkpoints=keep_checkpoints, warmstart_fn=warmstart_fn, chat_template=chat_template,
                     param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype, mesh=mesh,
-                    attention_impl=attention_impl, pack_sequences=pack_sequences,
+                    attention_impl=attention_impl, pack_sequences=pack_sequences, share_prompts=share_prompts,
                     max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                     logprob_chunk_tokens=logprob_chunk_tokens, remat=remat, memory_plan=memory_plan,
                     update_survival_stride=update_survival_stride)

@@ -197,3 +197,59 @@ def test_attention_dispatch():
     assert trace(partial(attention_lib.attention, impl="blockwise")) == blockwise
     assert trace(partial(attention_lib.attention, impl="dense")) == trace(attention_lib.dense_attention)
     assert blockwise != trace(attention_lib.dense_attention)
+
+
+def _shared_prompt_row(t):
+    """[2, t] rows with shared prompts (continuation ids, learner_jax/attention.py): row 0 = prompt 1
+    (9 tokens) with continuations of 5, 7 and 1 tokens, then an ordinary segment 2 (10 tokens), then
+    prompt 3 (6) with continuations of 20 and 12, padding; row 1 = one ordinary segment (the batch
+    mixes both kinds). Returns the ids and, per continuation, (row, prompt span, own span)."""
+    cid = attention_lib.continuation_id
+    rows = np.zeros((2, t), np.int32)
+    spans, pos = [], 0
+    layout = [(1, 9, (5, 7, 1)), (2, 10, ()), (3, 6, (20, 12))]
+    for slot, prompt, continuations in layout:
+        rows[0, pos:pos + prompt] = slot
+        prompt_span, pos = (pos, pos + prompt), pos + prompt
+        for j, n in enumerate(continuations, 1):
+            rows[0, pos:pos + n] = cid(slot, j)
+            spans.append((0, prompt_span, (pos, pos + n)))
+            pos += n
+    assert pos < t
+    rows[1, 3:60] = 4
+    return jnp.asarray(rows), spans
+
+
+def test_shared_prompt_continuations_see_their_prompt_only():
+    """A continuation attends to its prompt and itself, exactly as the sequence prompt + continuation
+    alone in a row (dense, then blockwise with blocks that cut through prompts and continuations,
+    and the cuDNN path's fallback), outputs and gradients."""
+    seg, spans = _shared_prompt_row(T)
+    q, k, v, d_out = _inputs(2, T, 6, 2, 16, seed=4)
+    out = np.asarray(attention_lib.dense_attention(q, k, v, seg))
+    for row, (p0, p1), (c0, c1) in spans:
+        idx = np.r_[p0:p1, c0:c1]                                   # the sequence alone, one segment
+        alone = attention_lib.dense_attention(*(x[row:row + 1, idx] for x in (q, k, v)),
+                                              jnp.ones((1, len(idx)), jnp.int32))
+        np.testing.assert_allclose(out[row, c0:c1], np.asarray(alone)[0, p1 - p0:], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[row, p0:p1], np.asarray(alone)[0, :p1 - p0], rtol=1e-5, atol=1e-6)
+    visible = np.asarray(attention_lib.visible_mask(seg))[0]
+    (_, (p0, p1), (c0, c1)), (_, _, (d0, d1)) = spans[0], spans[1]
+    assert visible[d0, p0:p1].all() and not visible[d0, c0:c1].any()  # not a sibling's tokens
+    assert not visible[p1 - 1, c0:c1].any()                         # the prompt sees no continuation
+    ref = None
+    for fn in (partial(attention_lib.blockwise_attention, block_q=8, block_k=16),
+               partial(attention_lib.blockwise_attention, block_q=128, block_k=128),
+               partial(attention_lib.lengths_attention, implementation="xla")):
+        ref = _assert_matches_dense(fn, q, k, v, seg, d_out, ref)
+    assert bool(attention_lib.has_continuations(seg)) and not bool(attention_lib.has_continuations(_segments(T)))
+
+
+def test_block_ranges_span_a_prompt_and_its_continuations():
+    """Block skipping with shared prompts: a continuation's query block reaches back to its prompt's
+    block, and a prompt's key block is seen up to the last continuation's block."""
+    cid = attention_lib.continuation_id
+    seg = jnp.asarray([[1, 1, cid(1, 1), cid(1, 1), cid(1, 2), cid(1, 2), 2, 2]], jnp.int32)
+    kv_lo, kv_hi, q_lo, q_hi = attention_lib._block_ranges(seg, 2, 2, 4, 4)
+    assert kv_lo.tolist() == [0, 0, 0, 3] and kv_hi.tolist() == [1, 2, 3, 4]
+    assert q_lo.tolist() == [0, 1, 2, 3] and q_hi.tolist() == [3, 3, 3, 4]

@@ -85,3 +85,19 @@ def test_memory_knobs_give_the_same_step(setup):
         if k.startswith("tis/"):
             assert lean_prepared.metrics[k] == pytest.approx(want, rel=1e-4, abs=1e-6), k
     np.testing.assert_allclose(lean_prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # three learners of the default tiny model compiled (~1.5 min on 2 busy cores)
+def test_shared_prompts_give_the_same_step(setup):
+    """share_prompts (a group's answers share one copy of the prompt) computes the same update as one
+    sequence per row, on fewer tokens: with 64-token micro-batches (groups split into units that fit)
+    and in one call per mini-batch (dense attention)."""
+    path, cfg, batch = setup
+    ref_prepared, ref = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, _ = one_step(path, cfg, batch, LEAN)
+    for knobs in (dict(LEAN, share_prompts=True), dict(REFERENCE, pack_sequences=True, share_prompts=True)):
+        prepared, got = one_step(path, cfg, batch, knobs)
+        assert prepared.metrics["batch/learner_tokens"] < 0.8 * lean_prepared.metrics["batch/learner_tokens"], knobs
+        for k, want in ref.items():
+            assert got[k] == pytest.approx(want, rel=1e-4, abs=1e-6), (k, knobs)
+        np.testing.assert_allclose(prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)

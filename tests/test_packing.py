@@ -135,3 +135,82 @@ def test_packed_row_logprobs_equal_one_sequence_per_row(impl):
     ent_view = layout.to_view(np.asarray(got_entropy), np.zeros(view["input_ids"].shape, np.float32))
     np.testing.assert_allclose(got_view[mask], np.asarray(want)[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent_view[mask], np.asarray(want_entropy)[mask], rtol=1e-5, atol=1e-5)
+
+
+def _groups(rng, n_groups, n_samples, vocab=64, max_prompt=9, max_response=12):
+    prompts, responses = [], []
+    for _ in range(n_groups):
+        prompt = rng.integers(1, vocab, rng.integers(2, max_prompt)).tolist()
+        for _ in range(n_samples):
+            prompts.append(prompt)
+            responses.append(rng.integers(1, vocab, rng.integers(1, max_response)).tolist())
+    return prompts, responses
+
+
+def test_shared_prompt_layout_by_hand():
+    """Two sequences of one 4-token prompt [5 6 7 8] (responses [1 2], [3]) and one of another prompt:
+    the prompt's first 3 tokens once, then per sequence the last prompt token and its response, with
+    continuation ids and the positions the sequence has alone; the other prompt is an ordinary segment."""
+    from portable_rl.learner_jax.attention import continuation_id
+
+    view = pack_rollouts([[5, 6, 7, 8], [5, 6, 7, 8], [9, 4]], [[1, 2], [3], [6]], [[-1.0, -2.0], [-3.0], [-4.0]],
+                         [1.0, 1.0, 1.0])
+    keys = [view["input_ids"][i, :p].tobytes() for i, p in enumerate(view["prompt_len"])]
+    layout = batching.shared_prompt_packed(np.arange(3), view["seq_len"], view["prompt_len"], keys, row_tokens=16)
+    rows = layout.arrays({k: view[k] for k in ("input_ids", "response_mask", "rollout_logprobs")})
+    c1, c2 = continuation_id(1, 1), continuation_id(1, 2)   # the group (8 tokens) is placed first: slot 1
+    assert rows["input_ids"][0].tolist()[:11] == [5, 6, 7, 8, 1, 2, 8, 3, 9, 4, 6]
+    assert rows["segment_ids"][0].tolist() == [1, 1, 1, c1, c1, c1, c2, c2, 2, 2, 2] + [0] * 5
+    assert rows["positions"][0].tolist()[:11] == [0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2]
+    assert rows["response_mask"][0].tolist()[:11] == [0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 1]
+    assert layout.sequences.tolist() == [0, 1, 2] and int(layout.length.sum()) == 11 < int(view["seq_len"].sum())
+    back = layout.to_view(rows["rollout_logprobs"], np.zeros_like(view["rollout_logprobs"]))
+    np.testing.assert_array_equal(back * view["response_mask"], view["rollout_logprobs"])
+
+
+def test_shared_prompt_units_split_to_fit_rows():
+    """A group too long for one row is split into units that each carry the prompt; every response
+    token is laid out exactly once, no row overflows, and a sequence longer than a row is refused."""
+    rng = np.random.default_rng(3)
+    prompts, responses = _groups(rng, 5, 8)
+    view = pack_rollouts(prompts, responses, [[-1.0] * len(r) for r in responses], [0.0] * len(prompts))
+    keys = [view["input_ids"][i, :p].tobytes() for i, p in enumerate(view["prompt_len"])]
+    n = len(prompts)
+    for row_tokens in (24, 40, 400):
+        layout = batching.shared_prompt_packed(np.arange(n), view["seq_len"], view["prompt_len"], keys, row_tokens)
+        rows = layout.arrays({k: view[k] for k in ("input_ids", "response_mask")})
+        assert rows["response_mask"].sum() == view["response_mask"].sum()
+        ends = layout.start + layout.length
+        assert ends.max() <= row_tokens
+        occupied = np.zeros(layout.shape, int)
+        for r, s, ln in zip(layout.row, layout.start, layout.length):
+            occupied[r, s:s + ln] += 1
+        assert occupied.max() == 1                                   # no two pieces overlap
+        assert int(layout.length.sum()) < int(view["seq_len"].sum())
+    with pytest.raises(MicroBatchBudgetError, match="does not fit"):
+        batching.shared_prompt_packed(np.arange(n), view["seq_len"], view["prompt_len"], keys, 8)
+
+
+@pytest.mark.slow  # a model compiled (~15 s)
+def test_shared_prompt_row_logprobs_equal_one_sequence_per_row():
+    """The learner's logprobs and entropies of shared-prompt rows (blockwise attention, small blocks)
+    equal each sequence's alone, at every response token."""
+    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Transformer(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                        attention_impl="blockwise")
+    rng = np.random.default_rng(2)
+    prompts, responses = _groups(rng, 3, 4)
+    logps = [[-1.0] * len(r) for r in responses]
+    view = pack_rollouts(prompts, responses, logps, [0.0] * len(prompts))
+    keys = [view["input_ids"][i, :p].tobytes() for i, p in enumerate(view["prompt_len"])]
+    layout = batching.shared_prompt_packed(np.arange(len(prompts)), view["seq_len"], view["prompt_len"], keys, 48)
+    rows = layout.arrays({k: view[k] for k in ("input_ids",)})
+    assert rows["segment_ids"].max() >= 1 << 16                      # really shared
+    want, want_entropy = sequence_logprobs(model, view["input_ids"], view["attention_mask"])
+    got, got_entropy = row_logprobs(model, rows, 1.0)
+    mask = view["response_mask"] > 0
+    got_view = layout.to_view(np.asarray(got), np.zeros(view["input_ids"].shape, np.float32))
+    ent_view = layout.to_view(np.asarray(got_entropy), np.zeros(view["input_ids"].shape, np.float32))
+    np.testing.assert_allclose(got_view[mask], np.asarray(want)[mask], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent_view[mask], np.asarray(want_entropy)[mask], rtol=1e-5, atol=1e-5)

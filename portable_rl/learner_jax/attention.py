@@ -1,11 +1,19 @@
 """Causal self-attention over rows that may pack several sequences (segment ids), with GQA.
 
     out[b, t] = sum_s softmax_s(q[b, t] · k[b, s] / sqrt(H) | visible(b, t, s)) v[b, s]
-    visible(b, t, s) = s <= t  and  seg[b, s] == seg[b, t]  and  seg[b, t] > 0
+    visible(b, t, s) = s <= t  and  seg[b, t] > 0  and  (seg[b, s] == seg[b, t]  or  seg[b, s] == parent(seg[b, t]))
+    parent(id)       = id >> 16      (0 for the ids below 2^16 of ordinary segments)
 
 Segment id 0 marks padding: a padding query sees no key and its output is exactly 0; a real query
 never sees a padding key or another segment. Segments are contiguous runs within a row, so causal
 order by row index is causal order within each segment (blockwise's block skipping relies on it).
+
+Shared prompts: a segment with id p·2^16 + j (j >= 1, `continuation_id`) continues the segment p
+(p < 2^15) that sits right before it in the row: it sees p's keys and its own, not those of p's
+other continuations. So the n answers of one prompt share one copy of the prompt's tokens
+(rl/batching.py `shared_prompt_packed`): each gets the attention it gets alone after the prompt,
+provided positions are given (RoPE positions continue the prompt's; `segment_positions` does not
+know this). A prompt with its continuations is contiguous, so block skipping uses its span.
 
 Shapes: q [B, T, N, H], k/v [B, T, K, H] (N = K * G query heads share each kv head),
 segment_ids [B, T] int32 -> out [B, T, N, H] in q's dtype. Matmul inputs in the compute dtype,
@@ -73,7 +81,8 @@ splash. jax.experimental.pallas.ops.tpu.splash_attention's MHA kernel with a cau
 and SegmentIds (query head n reads kv head n // G, which is GQA); q is scaled by 1/sqrt(H) first
 (the kernel does not scale). T is padded to a multiple of 128 (segment id 0; padding queries see
 padding keys, so no softmax row is empty, and are zeroed after); head_dim not a multiple of 128
-runs blockwise (logged once). The kernel runs on CPU in Pallas interpret mode, where
+runs blockwise (logged once), and so do batches with shared-prompt continuations (per call,
+lax.cond: SegmentIds masks by equality only). The kernel runs on CPU in Pallas interpret mode, where
 tests/test_attention.py checks it against dense (slow test).
 
 'auto' (resolve_attention_impl): 'cudnn' on a CUDA GPU, 'splash' on TPU, 'blockwise' elsewhere
@@ -95,6 +104,33 @@ from portable_rl.errors import ConfigError
 
 IMPLS = ("blockwise", "dense", "cudnn", "splash")
 
+CONTINUATION_SHIFT = 16  # a shared-prompt continuation's id is (prompt id << 16) | j (module doc)
+MAX_SHARED_PROMPT_ID = (1 << (31 - CONTINUATION_SHIFT)) - 1  # ids stay positive int32
+
+
+def continuation_id(prompt_id, j):
+    """The segment id of continuation j (1, 2, ...) of the shared prompt segment `prompt_id`."""
+    return (prompt_id << CONTINUATION_SHIFT) | j
+
+
+def _visible_ids(seg_q, seg_k):
+    """[B, Tq], [B, Tk] segment ids -> [B, Tq, Tk] bool: same segment, or the key is in the query's
+    shared prompt (module doc); real queries only. No causality."""
+    q, k = seg_q[:, :, None], seg_k[:, None, :]
+    parent = q >> CONTINUATION_SHIFT
+    return (q > 0) & ((q == k) | ((parent > 0) & (parent == k)))
+
+
+def _span_ids(segment_ids):
+    """A shared prompt and its continuations as one id (the prompt's): contiguous spans for skipping."""
+    parent = segment_ids >> CONTINUATION_SHIFT
+    return jnp.where(parent > 0, parent, segment_ids)
+
+
+def has_continuations(segment_ids):
+    """True (a traced bool) when some row holds a shared-prompt continuation."""
+    return jnp.any(segment_ids >> CONTINUATION_SHIFT > 0)
+
 _MASKED = -1e30  # finite, so a row with no visible key never makes NaN (its probabilities are zeroed)
 
 
@@ -104,12 +140,11 @@ def _grouped(q, num_kv_heads):  # [B, T, N, H] -> [B, T, K, G, H], G = N // K qu
 
 
 def visible_mask(segment_ids):
-    """[B, T] segment ids -> [B, T, S] bool: causal, same segment, real (non-padding) query."""
-    seg = segment_ids
-    T = seg.shape[-1]
+    """[B, T] segment ids -> [B, T, S] bool: causal, same segment (or the query's shared prompt),
+    real (non-padding) query."""
+    T = segment_ids.shape[-1]
     causal = jnp.tril(jnp.ones((T, T), bool))                                       # [T, S]
-    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)             # [B, T, S]
-    return causal[None] & same
+    return causal[None] & _visible_ids(segment_ids, segment_ids)                    # [B, T, S]
 
 
 def _dense_probs(q, k, visible):  # visible [B, T, S] -> probs [B, K, G, T, S] float32, 0 where invisible
@@ -187,7 +222,7 @@ def _block_ranges(segment_ids, block_q, block_k, num_q_blocks, num_k_blocks):
     no real token. The ranges are shared by the whole batch (min / max over rows)."""
     B, T = segment_ids.shape
     real = segment_ids > 0
-    start, end = _segment_spans(segment_ids)
+    start, end = _segment_spans(_span_ids(segment_ids))   # a shared prompt spans its continuations
     t = jnp.arange(T, dtype=jnp.int32)[None]
     big = jnp.int32(2 ** 30)
 
@@ -220,8 +255,7 @@ def _block_visible(seg_q, seg_k, q0, k0):
     """[B, bq], [B, bk] segment ids of one block pair starting at rows q0, k0 -> [B, 1, 1, bq, bk]."""
     tq = q0 + jnp.arange(seg_q.shape[1])
     tk = k0 + jnp.arange(seg_k.shape[1])
-    vis = ((tq[:, None] >= tk[None, :])[None]
-           & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] > 0))  # [B, bq, bk]
+    vis = (tq[:, None] >= tk[None, :])[None] & _visible_ids(seg_q, seg_k)           # [B, bq, bk]
     return vis[:, None, None]
 
 
@@ -494,12 +528,19 @@ def splash_attention(q, k, v, segment_ids, *, interpret: bool = False):
     """TPU splash attention: causal mask and SegmentIds, GQA by its MHA kernel (query head n reads
     kv head n // G). T is padded to a multiple of 128 with segment id 0 (padding queries see the
     padding keys, so no softmax row is empty; their output is zeroed). head_dim not a multiple of
-    128: blockwise (logged). interpret=True runs the Pallas kernel on any backend (tests, slow)."""
+    128: blockwise (logged); rows with shared-prompt continuations: blockwise (per call). interpret=True runs the Pallas kernel on any backend (tests, slow)."""
     B, T, N, H = q.shape
     if H % _SPLASH_LANES:
         _warn_once(f"attention_impl='splash': head_dim {H} is not a multiple of {_SPLASH_LANES}; "
                    "using 'blockwise'")
         return blockwise_attention(q, k, v, segment_ids)
+    # splash's SegmentIds mask is equality only: rows with shared-prompt continuations run blockwise
+    return lax.cond(has_continuations(segment_ids), blockwise_attention,
+                    partial(_splash_path, interpret=interpret), q, k, v, segment_ids)
+
+
+def _splash_path(q, k, v, segment_ids, *, interpret: bool):
+    B, T, N, H = q.shape
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
     Tp = -(-T // _SPLASH_LANES) * _SPLASH_LANES
     block = next(b for b in (512, 256, 128) if Tp % b == 0)

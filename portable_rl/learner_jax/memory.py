@@ -9,6 +9,10 @@ Activation memory of one update, per device, for a micro-batch of M tokens, L la
                 per batch shard (a sequence is never split), one optimizer update per mini-batch
     rows        pack_sequences=True: sequences packed first-fit decreasing into rows (segment ids),
                 no power-of-two padding
+    prompts     share_prompts=True (with pack_sequences): the n answers of a prompt share one copy of
+                its tokens (continuation segments, learner_jax/attention.py): n·(p + r) tokens become
+                p − 1 + n·(r + 1). Less time and memory wherever prompts are a good part of the tokens.
+                Attention runs blockwise for these rows (cuDNN / splash have no such mask).
 
 so memory grows linearly in tokens once attention is not dense. Every setting computes the same
 update (tests/test_memory_equivalence.py); they trade memory for time.
@@ -34,8 +38,12 @@ class MemoryConfig:
     max_tokens_per_micro_batch: Optional[int] = None  # per batch shard; None: one call per mini-batch
     logprob_chunk_tokens: Optional[int] = None      # None: the head sees all tokens at once
     remat: str = "none"
+    share_prompts: bool = False                     # needs pack_sequences (module doc)
 
     def __post_init__(self):
+        if self.share_prompts and not self.pack_sequences:
+            raise ConfigError("share_prompts=True lays out packed rows; set pack_sequences=True too "
+                              "(or share_prompts=False)")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:

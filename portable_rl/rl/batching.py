@@ -15,13 +15,20 @@ sequence carries the logprob of its token t (given tokens < t), the convention o
 plus the per-sequence index `seq_row`, `seq_start`, `seq_len`, `prompt_len` ([N] int32 numpy), from
 which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`).
 
-Two layouts:
+Three layouts:
     one per row (pack=False)   row i = sequence i from column 0; L = next power of two >= max len_i
                                (at least `min_len`); rows padded with empty rows to a multiple of
                                `row_multiple`. This is also the learner's per-sequence view.
     packed (pack=True)         sequences placed first-fit decreasing (longest first, each into the
                                first row with room) into rows of `row_tokens` tokens; a sequence is
                                never split. No power-of-two padding.
+    shared prompts             (`shared_prompt_packed`, the learner's `share_prompts`) the sequences
+                               of one prompt (a GRPO group) as one unit: the prompt's first p-1
+                               tokens once, then per sequence its tokens from p-1 on (the last prompt
+                               token again, whose logits predict the first response token, then the
+                               response), as continuation segments (learner_jax/attention.py) with
+                               positions p-1, p, ...: n·(p+r) tokens become p-1 + n·(r+1). Units
+                               too long for a row are split into several, each with the prompt.
 
 A response token whose engine logprob is NaN or ±inf is dropped from the loss (mask 0, logprob 0), so
 nothing non-finite reaches JAX; `rl.rollout.collect_groups` counts them (`rollout/nonfinite_*`). The
@@ -105,9 +112,13 @@ def first_fit_decreasing(lengths, capacity: int):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the sequences `seq` (rows of a per-sequence view, each starting at column 0) sit in `[rows, length]`.
+    """Where pieces of the sequences of a per-sequence view sit in `[rows, length]`: piece i is
+    columns [view_start_i, view_start_i + length_i) of view row seq_i, placed in row row_i from
+    column start_i with segment id segment_i. Usually one piece per sequence from column 0; with
+    shared prompts a sequence's prompt may be another sequence's piece (`shared_prompt_packed`).
 
-    seq, row, start, length, segment: [n] int arrays (segment = 1.. order in its row).
+    seq, row, start, length, segment, view_start: [n] int arrays (segment = 1.. order in its row;
+    view_start None: all 0).
     """
     seq: np.ndarray
     row: np.ndarray
@@ -116,17 +127,24 @@ class Layout:
     segment: np.ndarray
     rows: int
     row_tokens: int
+    view_start: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.rows, self.row_tokens
+
+    @property
+    def sequences(self) -> np.ndarray:
+        """The view rows that have tokens here, each once, in order."""
+        return np.unique(self.seq)
 
     @functools.cached_property
     def _flat(self):
         """Per token: (view row, view column, packed row, packed column)."""
         total = int(self.length.sum())
         offset = np.arange(total) - np.repeat(np.cumsum(self.length) - self.length, self.length)
-        return (np.repeat(self.seq, self.length), offset, np.repeat(self.row, self.length),
+        view_start = 0 if self.view_start is None else np.repeat(self.view_start, self.length)
+        return (np.repeat(self.seq, self.length), view_start + offset, np.repeat(self.row, self.length),
                 np.repeat(self.start, self.length) + offset)
 
     def to_rows(self, view: np.ndarray, fill=0) -> np.ndarray:
@@ -179,14 +197,84 @@ def packed(seq, lengths, row_tokens: int, row_multiple: int = 1, rows: int | Non
     return Layout(seq=seq, row=row, start=start, length=lengths, segment=slot, rows=rows, row_tokens=row_tokens)
 
 
+def _prompt_groups(prompt_keys) -> list[list[int]]:
+    """Indices grouped by equal key, groups in order of first appearance."""
+    groups = {}
+    for i, key in enumerate(prompt_keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def shared_prompt_group_tokens(lengths, prompt_lengths, prompt_keys) -> np.ndarray:
+    """Tokens of each prompt group laid out as one shared-prompt unit (`shared_prompt_packed`): [groups]."""
+    lengths, prompt_lengths = np.asarray(lengths, np.int64), np.asarray(prompt_lengths, np.int64)
+    out = []
+    for members in _prompt_groups(prompt_keys):
+        shared = prompt_lengths[members[0]] - 1
+        if len(members) == 1 or shared < 1:
+            out.append(int(lengths[members].max()))
+        else:
+            out.append(int(shared + (lengths[members] - shared).sum()))
+    return np.array(out, np.int64)
+
+
+def shared_prompt_packed(seq, lengths, prompt_lengths, prompt_keys, row_tokens: int, row_multiple: int = 1,
+                         rows: int | None = None) -> Layout:
+    """The sequences `seq` (lengths, prompt lengths [n]) grouped by `prompt_keys` [n] (equal keys: equal
+    prompt tokens), each group as shared-prompt units (module doc), units first-fit decreasing into rows
+    of `row_tokens`. A group of one, or a prompt of one token, is an ordinary segment."""
+    from portable_rl.learner_jax.attention import MAX_SHARED_PROMPT_ID, continuation_id
+
+    seq, lengths, prompt_lengths = (np.asarray(x, np.int64) for x in (seq, lengths, prompt_lengths))
+    if lengths.size and lengths.max() > row_tokens:
+        raise MicroBatchBudgetError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {row_tokens}")
+    units = []  # per unit: (prompt piece length, [member index]); prompt piece length 0: one plain sequence
+    for members in _prompt_groups(prompt_keys):
+        shared = prompt_lengths[members[0]] - 1
+        if len(members) == 1 or shared < 1:
+            units += [(0, [i]) for i in members]
+            continue
+        members = sorted(members, key=lambda i: -lengths[i])
+        unit, used = [], shared
+        for i in members:
+            own = lengths[i] - shared
+            if unit and used + own > row_tokens:
+                units.append((shared, unit))
+                unit, used = [], shared
+            unit.append(i)
+            used += own
+        units.append((shared, unit))
+    sizes = [p + sum(lengths[i] - p for i in m) if p else lengths[m[0]] for p, m in units]
+    unit_row, unit_start, unit_slot, bins = first_fit_decreasing(sizes, row_tokens)
+    if unit_slot.size and unit_slot.max() > MAX_SHARED_PROMPT_ID:
+        raise ValueError(f"{int(unit_slot.max())} units in one row; at most {MAX_SHARED_PROMPT_ID}")
+    pieces = []  # (view row, view start, length, row, start, segment)
+    for (p, members), row, start, slot in zip(units, unit_row, unit_start, unit_slot):
+        if not p:
+            pieces.append((seq[members[0]], 0, lengths[members[0]], row, start, slot))
+            continue
+        pieces.append((seq[members[0]], 0, p, row, start, slot))           # the prompt's first p-1 tokens
+        start += p
+        for j, i in enumerate(members, 1):                                  # then each continuation
+            pieces.append((seq[i], p, lengths[i] - p, row, start, continuation_id(int(slot), j)))
+            start += lengths[i] - p
+    cols = np.array(pieces, np.int64).reshape(-1, 6).T
+    rows = round_rows(bins, row_multiple) if rows is None else rows
+    if rows < bins:
+        raise ValueError(f"{bins} packed rows do not fit {rows}")
+    return Layout(seq=cols[0], view_start=cols[1], length=cols[2], row=cols[3], start=cols[4],
+                  segment=cols[5].astype(np.int32), rows=rows, row_tokens=row_tokens)
+
+
 def split_rows_of(layout: Layout, rows_per_part: int) -> list[Layout]:
     """`layout` cut into parts of `rows_per_part` consecutive rows each (the last padded with empty rows)."""
     parts = []
     for first in range(0, max(int(layout.row.max(initial=-1)) + 1, 1), rows_per_part):
         pick = (layout.row >= first) & (layout.row < first + rows_per_part)
-        parts.append(dataclasses.replace(layout, seq=layout.seq[pick], row=layout.row[pick] - first,
-                                         start=layout.start[pick], length=layout.length[pick],
-                                         segment=layout.segment[pick], rows=rows_per_part))
+        parts.append(dataclasses.replace(
+            layout, seq=layout.seq[pick], row=layout.row[pick] - first, start=layout.start[pick],
+            length=layout.length[pick], segment=layout.segment[pick], rows=rows_per_part,
+            view_start=None if layout.view_start is None else layout.view_start[pick]))
     return parts
 
 

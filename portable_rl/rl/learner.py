@@ -25,6 +25,8 @@ all have one shape [rows, L]:
 
     max_tokens_per_micro_batch = M, pack_sequences    sequences first-fit decreasing into rows of M
                                                       tokens; `batch_shards` rows per micro-batch
+                                     + share_prompts  the same with each prompt's sequences as shared-
+                                                      prompt units (`batching.shared_prompt_packed`)
     max_tokens_per_micro_batch = M, not packed        one sequence per row, L = min(T, M),
                                                       batch_shards · ⌊M / L⌋ rows per micro-batch
     None, pack_sequences                              one micro-batch: rows of the longest sequence
@@ -206,7 +208,17 @@ class Learner:
                 out.append([])
                 continue
             lens = lengths[seq]
-            if budget is None and not mem.pack_sequences:
+            if mem.share_prompts:
+                prompt_lens = np.asarray(batch["prompt_len"])[seq]
+                keys = [batch["input_ids"][i, :p].tobytes() for i, p in zip(seq, prompt_lens)]
+                if budget is None:  # one call: rows of the longest prompt group
+                    longest = int(batching.shared_prompt_group_tokens(lens, prompt_lens, keys).max())
+                    row = batching.packed_row_length(longest, self.cfg.shapes.min_seq_bucket)
+                    out.append([batching.shared_prompt_packed(seq, lens, prompt_lens, keys, row, shards)])
+                else:
+                    out.append(batching.split_rows_of(
+                        batching.shared_prompt_packed(seq, lens, prompt_lens, keys, budget), shards))
+            elif budget is None and not mem.pack_sequences:
                 out.append([batching.one_per_row(seq, lens, rpm, view_len, row=seq - first)])
             elif budget is None:
                 out.append([batching.packed(seq, lens, row_len, shards)])
@@ -275,21 +287,24 @@ class Learner:
         view = {k: batch[k] for k in _VIEW_KEYS}
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
                     token_weights=np.zeros_like(loss_mask))
-        micro, padding, tokens, rows = [], 0, 0, 0
+        micro, padding, tokens, rows, laid_out = [], 0, 0, 0, 0
         for mini in layouts:
             if not mini:
                 micro.append([])
                 continue
-            seq = np.concatenate([lay.seq for lay in mini])                              # view rows of it
+            seq = np.unique(np.concatenate([lay.seq for lay in mini]))                   # view rows of it
             view["token_weights"][seq] = loss_token_weights(
                 loss_mask[seq], self.cfg.loss.loss_aggregation, self.cfg.norm_constant,
                 num_sequences=len(seq))
             micro.append([lay.arrays(view) for lay in mini])
             padding += sum(lay.padding_tokens for lay in mini)
+            laid_out += sum(int(lay.length.sum()) for lay in mini)
             tokens += sum(lay.rows * lay.row_tokens for lay in mini)
             rows += sum(lay.rows for lay in mini)
         out = {f"tis/{k}": float(v) for k, v in metrics.items()}
+        # batch/learner_tokens: the real tokens of the micro-batches (fewer than the sequences' with share_prompts)
         out.update({"batch/padding_fraction": padding / max(tokens, 1), "batch/rows": rows,
+                    "batch/learner_tokens": laid_out,
                     "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
                     "batch/micro_batches": sum(len(m) for m in layouts)})
         return PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
