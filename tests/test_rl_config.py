@@ -18,6 +18,8 @@ DEFAULTS_BEFORE_SPLIT = dict(
     max_response_tokens=64, overlong_buffer=0, overlong_penalty=1.0, advantage="grpo", mini_batch_size=32,
     ppo_epochs=1, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=None, loss_aggregation="token-mean",
     loss_norm_constant=None, policy_loss_mode="decoupled", min_seq_bucket=16, max_nonfinite_fraction=0.01)
+# added since the split, with defaults that keep the old behaviour (full-vocabulary sampling)
+DEFAULTS_BEFORE_SPLIT.update(top_p=1.0, top_k=-1)
 
 
 def test_dapo_config_is_the_disjoint_union_of_the_parts_with_the_old_defaults():

@@ -9,9 +9,17 @@ The one definition of a rollout logprob (docs/architecture.md):
     response_logprobs[t] = log_softmax(logits_t / T)[response_token_ids[t]]      (float32, natural log)
 
 i.e. the log-probability of the sampled token under the full-vocabulary tempered distribution it was
-sampled from. Top-k / top-p truncation would change that distribution, so `SamplingConfig` rejects them
-unless `allow_truncated_sampling=True` is set explicitly (then logprobs are those of the truncated,
-renormalised distribution and no longer match the learner's).
+sampled from. Top-k / top-p truncation changes that distribution: the token is drawn from the tempered
+softmax renormalised over a support S_t (the top-k tokens, then the top-p nucleus of those), and its
+logprob is log p − log Σ_{s∈S_t} p_s. `SamplingConfig` takes truncated sampling in one of two ways:
+
+    return_support=True             the engine also returns S_t per token (`Rollout.sampling_support`);
+                                    the learner renormalises over the same S_t, so the identity holds
+                                    again (learner_jax/logprobs.py). Needs top_k > 0 (bounds |S_t|) and
+                                    an adapter with `returns_sampling_support = True` (vLLM).
+    allow_truncated_sampling=True   no support: rollout logprobs are the truncated distribution's and no
+                                    longer match the learner's full-vocabulary ones (the mismatch is
+                                    about the mean of −log Σ_{s∈S_t} p_s); an explicit opt-in.
 
 Seeds. Sample j of prompt i in a batch gets the seed
 
@@ -39,6 +47,8 @@ import dataclasses
 import warnings
 from typing import Iterable, Iterator, Sequence, Tuple, Union
 
+from portable_rl.errors import ConfigError
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -53,7 +63,9 @@ class SamplingConfig:
     stop_token_ids: Tuple[int, ...] = ()
     top_p: float = 1.0
     top_k: int = -1
-    # Opt-in escape hatch: top-p / top-k make rollout logprobs differ from the learner's definition.
+    # Truncated sampling with the support returned per token (module doc): exact logprobs for the learner.
+    return_support: bool = False
+    # Opt-in escape hatch: top-p / top-k without the support make rollout logprobs differ from the learner's.
     allow_truncated_sampling: bool = False
 
     def __post_init__(self):
@@ -64,12 +76,24 @@ class SamplingConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
-        truncated = self.top_p != 1.0 or self.top_k != -1
-        if truncated and not self.allow_truncated_sampling:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if self.return_support and self.top_k < 1:
+            raise ValueError(f"return_support=True with top_k={self.top_k}: set top_k >= 1 (e.g. 64) to bound "
+                             "the support returned per token (top_p alone can keep most of the vocabulary)")
+        if self.truncated and not (self.return_support or self.allow_truncated_sampling):
             raise ValueError(
                 f"top_p={self.top_p}, top_k={self.top_k}: truncated sampling makes rollout logprobs those of "
                 "the truncated distribution, which no longer match the learner's log_softmax(logits/T); "
-                "use top_p=1.0, top_k=-1, or set allow_truncated_sampling=True if you accept the mismatch")
+                "set return_support=True (an engine that returns the sampling support, e.g. vLLM), or top_p=1.0, "
+                "top_k=-1, or allow_truncated_sampling=True if you accept the mismatch")
+
+    @property
+    def truncated(self) -> bool:
+        """True for top-k / top-p sampling (the support is not the whole vocabulary)."""
+        return self.top_p != 1.0 or self.top_k != -1
 
     def seed_for(self, prompt_index: int, sample_index: int = 0) -> int | None:
         """The seed of sample `sample_index` of prompt `prompt_index`: seed + i·n + j (None: unseeded)."""
@@ -87,11 +111,17 @@ class Rollout:
     response_token_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token, included in the response) | "length" (max_tokens hit)
+    # Per response token, the ids of the support it was sampled from (`SamplingConfig.return_support`);
+    # None: the whole vocabulary.
+    sampling_support: list[list[int]] | None = None
 
     def __post_init__(self):
         if len(self.response_token_ids) != len(self.response_logprobs):
             raise ValueError(f"{len(self.response_token_ids)} response tokens but "
                              f"{len(self.response_logprobs)} logprobs")
+        if self.sampling_support is not None and len(self.sampling_support) != len(self.response_token_ids):
+            raise ValueError(f"{len(self.response_token_ids)} response tokens but a sampling support for "
+                             f"{len(self.sampling_support)}")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
@@ -168,6 +198,16 @@ class EngineAdapter(abc.ABC):
     """
 
     quantization: str | None  # set by every adapter (class attribute, property or in __init__)
+    # True when `generate` honours `SamplingConfig.return_support` (fills `Rollout.sampling_support`).
+    returns_sampling_support: bool = False
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Refuses settings this adapter cannot honour (one line naming the fix); adapters call it in generate."""
+        if sampling.return_support and not self.returns_sampling_support:
+            raise ConfigError(
+                f"{type(self).__name__} cannot return the sampling support that top_p={sampling.top_p} / "
+                f"top_k={sampling.top_k} need for exact logprobs; use an engine that can (vLLM), or top_p=1.0, "
+                "top_k=-1")
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:

@@ -50,6 +50,10 @@ class FakeQuantEngine(EngineAdapter):
         self.inner = create_engine(engine, model_path=model_path, **(engine_kwargs or {}))
         self.update_weights(read_checkpoint_tensors(model_path))
 
+    @property
+    def returns_sampling_support(self) -> bool:
+        return self.inner.returns_sampling_support
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         return self.inner.generate(prompt_token_ids, sampling)
 

@@ -104,6 +104,9 @@ class EngineHost:
     def quantization(self) -> str | None:
         return self.engine.quantization
 
+    def returns_sampling_support(self) -> bool:
+        return bool(getattr(self.engine, "returns_sampling_support", False))
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Rollout]:
         return self.engine.generate(prompts, sampling)
 
@@ -167,6 +170,7 @@ class RayEngineFleet(EngineAdapter):
             self._actors = [self._spawn() for _ in range(num_engines)]
             self._wait_started(self._actors)  # engines start in parallel
             self.quantization = ray.get(self._actors[0].quantization.remote())  # the engines' own report
+            self.returns_sampling_support = ray.get(self._actors[0].returns_sampling_support.remote())
         except BaseException:
             self.close()
             raise
@@ -258,6 +262,7 @@ class RayEngineFleet(EngineAdapter):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         actors = self._require_actors()
         prompts = check_prompts(prompt_token_ids)
+        self.check_sampling(sampling)
         bounds = shard_bounds(len(prompts), len(actors))
         calls = []
         for i, (start, end) in enumerate(bounds):

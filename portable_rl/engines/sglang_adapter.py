@@ -169,6 +169,7 @@ class SGLangEngine(EngineAdapter):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         engine = self._require_engine()
         prompts = check_prompts(prompt_token_ids)
+        self.check_sampling(sampling)  # no sampling support from SGLang: return_support is refused
         if sampling.seed is not None and not self.seeds_honoured and not self._warned_unseeded:
             self._warned_unseeded = True
             warnings.warn("SGLang runs without enable_deterministic_inference, so sampling seeds are ignored and "

@@ -1,13 +1,20 @@
 """vLLM adapter: an in-process `vllm.LLM` behind `EngineAdapter`.
 
 Logprobs. vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the sampled
-token only). "processed" means after temperature scaling (and top-k/top-p, which `SamplingConfig` keeps off),
-so the returned value is exactly the learner's
+token only). "processed" means after temperature scaling and top-k / top-p masking, so the returned value is
+exactly the learner's
 
     log_softmax(logits / T)[sampled_token]      (float32)
 
 — the distribution the token was drawn from. The default "raw_logprobs" would give log_softmax(logits), the
 T=1 distribution, which is off by the temperature for any T != 1.
+
+Sampling support (`SamplingConfig.return_support`, top-k / top-p). vLLM masks the logits outside the support
+S_t to −inf before its log_softmax, so with `logprobs=top_k` the top-k processed logprobs it returns are
+finite exactly on S_t (|S_t| <= top_k): S_t = {v : logprob_v > −inf} among them. This is the support vLLM
+sampled from, on any backend (vLLM's own `return_sampling_mask` gives the same set, but only under Model
+Runner V2, which needs Triton and a GPU: not on vLLM-CPU). The engine is started with `max_logprobs`
+>= `MAX_SUPPORT` (default; a larger top_k needs `engine_init_kwargs={"max_logprobs": k}`).
 
 Weight sync. `update_weights(pairs)` checks every `(hf_name, tensor)` against the checkpoint the engine was
 started from (names and shapes, read from the safetensors headers) before touching the engine, then makes ONE
@@ -49,6 +56,7 @@ is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the
 from __future__ import annotations
 
 import gc
+import math
 import os
 import sys
 from typing import Any, Iterable, Sequence
@@ -63,6 +71,7 @@ from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
+MAX_SUPPORT = 128  # default max_logprobs: the largest top_k whose support `generate` can return
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 _OMP_WARNED = False
@@ -151,6 +160,8 @@ def _destroy_parallel_state() -> None:
 class VLLMEngine(EngineAdapter):
     """In-process vLLM. Defaults suit the 2-core CPU box; on GPU pass `gpu_memory_utilization` etc."""
 
+    returns_sampling_support = True  # module doc, "Sampling support"
+
     _live = 0  # in-process engines share vLLM's process-global parallel state; the last one tears it down
 
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
@@ -177,7 +188,8 @@ class VLLMEngine(EngineAdapter):
                 _log_cpu_dtype_once(dtype, why)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, seed=seed,
-            dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION)
+            dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION,
+            max_logprobs=MAX_SUPPORT)
         eager = resolve_enforce_eager(enforce_eager, on_cpu)
         if eager is not None:  # None: vLLM's default (False: CUDA graphs on GPU)
             kwargs["enforce_eager"] = eager
@@ -226,6 +238,13 @@ class VLLMEngine(EngineAdapter):
 
         llm = self._require_llm()
         prompts = check_prompts(prompt_token_ids)
+        self.check_sampling(sampling)
+        # the top-k processed logprobs are finite exactly on the support (module doc); else the sampled one only
+        num_logprobs = sampling.top_k if sampling.return_support else 0
+        if num_logprobs > self.engine_init_kwargs["max_logprobs"]:
+            raise ConfigError(f"top_k={sampling.top_k} with return_support needs the engine started with "
+                              f"max_logprobs >= {sampling.top_k} (it has {self.engine_init_kwargs['max_logprobs']}); "
+                              f"pass engine_init_kwargs={{'max_logprobs': {sampling.top_k}}}")
         params = []
         for i in range(len(prompts)):
             # One seed range per prompt: vLLM gives the n children of a request seeds seed, seed+1, ...,
@@ -234,17 +253,22 @@ class VLLMEngine(EngineAdapter):
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
-                logprobs=0, detokenize=False))
+                logprobs=num_logprobs, detokenize=False))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rollouts = []
         for i, out in enumerate(outputs):  # vLLM returns outputs in input order
             for completion in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(completion.token_ids)
                 logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+                support = None
+                if sampling.return_support:
+                    support = [sorted(v for v, lp in pos.items() if lp.logprob > -math.inf)
+                               for pos in completion.logprobs]
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
                 rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
-                                        response_logprobs=logprobs, finish_reason=completion.finish_reason))
+                                        response_logprobs=logprobs, finish_reason=completion.finish_reason,
+                                        sampling_support=support))
         return rollouts
 
     # ----------------------------------------------------------------------------------------- weights

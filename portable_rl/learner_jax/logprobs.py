@@ -8,6 +8,18 @@ The one definition (docs/architecture.md):
 no top-k / top-p truncation. Engines return exactly this when configured with
 `logprobs_mode="processed_logprobs"`, `top_p=1`, `top_k=-1` (vLLM).
 
+Truncated sampling (top-k / top-p): the engine drew token t from the tempered softmax renormalised over a
+support S_t and returns S_t with it (engines/base.py, `Rollout.sampling_support`). Given
+`sampling_support` [B, T, K] (ids, -1 = padding), the logprob is renormalised over the same set:
+
+    logp[b, t]    = s[target] − logsumexp_{v ∈ S_t ∪ {target}} s[v],   s = logits[b, t] / T
+    entropy[b, t] = the full-vocabulary entropy (above): what the model's distribution does, not the sampler's
+
+so the learner's logprob and the engine's are the same quantity again, and a TIS ratio between them
+measures only numerics (docs/tis.md). The target is always in the set (a token outside its own support
+would be an engine bug; this keeps its logprob finite). Gradient: (onehot(target) − p_S) / T, p_S the
+renormalised probabilities (0 outside S_t): the gradient of the truncated policy that sampled the data.
+
 Memory: the [tokens, V] float32 logits are the largest tensor of a learner step (V ~ 150k: 0.6 MB
 per token, forward, plus as much again for their gradient). `sequence_logprobs(..., chunk_tokens=C)`
 runs the head and `token_logprobs` over chunks of ~C tokens per batch shard (cut along time, rows
@@ -27,40 +39,80 @@ import jax.numpy as jnp
 from portable_rl.learner_jax.sharding import LOGICAL_AXIS_RULES, constrain_batch_rows
 
 
-@jax.custom_vjp
-def token_logprobs(logits, targets, temperature=1.0):
-    """logits [B, T, V], targets [B, T] int -> (logp [B, T] f32, entropy [B, T] f32) at `temperature`.
+def token_logprobs(logits, targets, temperature=1.0, support=None):
+    """logits [B, T, V], targets [B, T] int -> (logp [B, T] f32, entropy [B, T] f32) at `temperature`;
+    `support` [B, T, K] int (-1 = padding): logp renormalised over each token's support (module doc).
 
     Gradient (custom VJP, one fused pass over [B, T, V] instead of autodiff's zeros + scatter for
-    the gather and separate passes for logsumexp), with p = softmax(s), s = logits / T:
+    the gather and separate passes for logsumexp), with p = softmax(s), s = logits / T, and p_S = p
+    renormalised over the support (p_S = p without one):
 
-        d logits = ( g_logp · (onehot(target) − p)  −  g_entropy · p · (log p + entropy) ) / T
+        d logits = ( g_logp · (onehot(target) − p_S)  −  g_entropy · p · (log p + entropy) ) / T
     """
-    return _token_logprobs_fwd(logits, targets, temperature)[0]
+    if support is None:
+        return _full_token_logprobs(logits, targets, temperature)
+    return _support_token_logprobs(logits, targets, temperature, support)
 
 
-def _token_logprobs_fwd(logits, targets, temperature):
+def _support_mask(targets, support, vocab):
+    """[B, T] targets, [B, T, K] support ids (-1 = padding) -> [B, T, V] bool: the support with the target."""
+    B, T, K = support.shape
+    b = jnp.arange(B)[:, None, None]
+    t = jnp.arange(T)[None, :, None]
+    ids = jnp.where(support >= 0, support, vocab).astype(jnp.int32)        # padding -> out of range: dropped
+    mask = jnp.zeros((B, T, vocab), bool).at[b, t, ids].set(True, mode="drop")
+    return mask | (jnp.arange(vocab) == targets[..., None])
+
+
+def _token_logprobs_fwd(logits, targets, temperature, support):
     scaled = logits.astype(jnp.float32) / temperature                        # [B, T, V]
     logz = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)                  # [B, T, 1]
     log_probs = scaled - logz                                                # [B, T, V]
-    logp = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)              # [B, T]
-    return (logp, entropy), (logits, targets, temperature, logz, entropy)
+    logz_sampled = logz
+    if support is not None:                                                  # renormalise over S_t
+        in_support = _support_mask(targets, support, logits.shape[-1])       # [B, T, V]
+        logz_sampled = jax.nn.logsumexp(jnp.where(in_support, scaled, -jnp.inf), axis=-1, keepdims=True)
+    target_scaled = jnp.take_along_axis(scaled, targets[..., None].astype(jnp.int32), axis=-1)
+    logp = (target_scaled - logz_sampled)[..., 0]                            # [B, T]
+    return (logp, entropy), (logits, targets, temperature, logz, logz_sampled, entropy, support)
 
 
 def _token_logprobs_bwd(res, cotangents):
-    logits, targets, temperature, logz, entropy = res
+    logits, targets, temperature, logz, logz_sampled, entropy, support = res
     g_logp, g_entropy = cotangents                                           # [B, T] each
-    log_probs = logits.astype(jnp.float32) / temperature - logz              # [B, T, V]
+    scaled = logits.astype(jnp.float32) / temperature                        # [B, T, V]
+    log_probs = scaled - logz
     probs = jnp.exp(log_probs)
+    probs_sampled = probs
+    if support is not None:
+        in_support = _support_mask(targets, support, logits.shape[-1])
+        probs_sampled = jnp.where(in_support, jnp.exp(scaled - logz_sampled), 0.0)
     onehot = jnp.arange(logits.shape[-1]) == targets[..., None]              # [B, T, V] bool
-    d_scaled = (g_logp[..., None] * (onehot - probs)
+    d_scaled = (g_logp[..., None] * (onehot - probs_sampled)
                 - g_entropy[..., None] * probs * (log_probs + entropy[..., None]))
     d_logits = (d_scaled / temperature).astype(logits.dtype)
-    return d_logits, None, jnp.zeros_like(temperature)
+    return d_logits, None, jnp.zeros_like(temperature), None
 
 
-token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
+@jax.custom_vjp
+def _support_token_logprobs(logits, targets, temperature, support):
+    return _token_logprobs_fwd(logits, targets, temperature, support)[0]
+
+
+_support_token_logprobs.defvjp(
+    lambda logits, targets, temperature, support: _token_logprobs_fwd(logits, targets, temperature, support),
+    _token_logprobs_bwd)
+
+
+@jax.custom_vjp
+def _full_token_logprobs(logits, targets, temperature):
+    return _token_logprobs_fwd(logits, targets, temperature, None)[0]
+
+
+_full_token_logprobs.defvjp(
+    lambda logits, targets, temperature: _token_logprobs_fwd(logits, targets, temperature, None),
+    lambda res, cotangents: _token_logprobs_bwd(res, cotangents)[:3])
 
 
 def _check_chunk_tokens(chunk_tokens):
@@ -80,8 +132,8 @@ def _row_shards(rows: int) -> int:
     return ways if rows % ways == 0 else 1
 
 
-def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_tokens: int):
-    """`token_logprobs(head(hidden), targets, temperature)` without the whole [B, T, V] logits.
+def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_tokens: int, support=None):
+    """`token_logprobs(head(hidden), targets, temperature, support)` without the whole [B, T, V] logits.
 
     hidden [B, T, D], targets [B, T] int -> (logp, entropy) [B, T] float32. The time axis is cut
     into n chunks of S steps (T padded with zeros to n * S) and `lax.map` runs over them; a chunk
@@ -107,18 +159,19 @@ def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_toke
     # Inside a loop body the loop itself keeps the recomputation apart from the forward pass, so
     # no CSE barriers are needed (prevent_cse=False, as jax.checkpoint's docs advise for scan).
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one_chunk(chunk):                        # ([B, S, D], [B, S]) -> ([B, S], [B, S])
-        hidden_c, targets_c = chunk
+    def one_chunk(chunk):                        # ([B, S, D], [B, S], [B, S, K]?) -> ([B, S], [B, S])
+        hidden_c, targets_c, support_c = chunk
         logits = head(constrain_batch_rows(hidden_c))                     # [B, S, V] f32
-        return token_logprobs(logits, targets_c, temperature)
+        return token_logprobs(logits, targets_c, temperature, support_c)
 
-    logp, entropy = jax.lax.map(one_chunk, (chunked(hidden), chunked(targets)))   # [n, B, S] each
+    chunks = (chunked(hidden), chunked(targets), None if support is None else chunked(support))
+    logp, entropy = jax.lax.map(one_chunk, chunks)                        # [n, B, S] each
     unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(B, num_chunks * steps)[:, :T]
     return unchunk(logp), unchunk(entropy)
 
 
 def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float = 1.0, *,
-                      segment_ids=None, positions=None, chunk_tokens: int | None = None):
+                      segment_ids=None, positions=None, chunk_tokens: int | None = None, sampling_support=None):
     """Per-token logprobs of a batch of sequences under `model`; both outputs [B, T] float32.
 
     Entry t is log p(input_ids[:, t] | input_ids[:, :t]) and entropy[:, t] is the entropy of that
@@ -130,6 +183,8 @@ def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float 
     each segment (no context in it) is 0 in both outputs, so every sequence gets exactly the values
     it gets alone in a row. `chunk_tokens=C` computes the head over chunks of C tokens
     (`chunked_token_logprobs`, memory of one [C, V] chunk instead of [B, T-1, V]); None: all at once.
+    `sampling_support` [B, T, K] (entry t: the support token t was sampled from, -1 = padding): logp
+    renormalised over it (module doc).
     """
     if chunk_tokens is not None:
         _check_chunk_tokens(chunk_tokens)       # before the forward pass, not after it
@@ -138,12 +193,13 @@ def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float 
     # The logits at t-1 predict token t; the last position predicts nothing, so it is dropped
     # before the head rather than sliced out of [B, T, V] logits (a copy of the largest tensor).
     targets = input_ids[:, 1:]                                               # [B, T-1]
+    support = None if sampling_support is None else sampling_support[:, 1:]  # [B, T-1, K]
     if chunk_tokens is None:
         logits = model.logits(hidden[:, :-1])                                # [B, T-1, V]
-        logp, entropy = token_logprobs(logits, targets, temperature)         # [B, T-1]
+        logp, entropy = token_logprobs(logits, targets, temperature, support)  # [B, T-1]
     else:
         logp, entropy = chunked_token_logprobs(model.logits, hidden[:, :-1], targets, temperature,
-                                               chunk_tokens=chunk_tokens)    # [B, T-1]
+                                               chunk_tokens=chunk_tokens, support=support)  # [B, T-1]
     if segment_ids is not None:  # a segment's first token is predicted from the previous segment
         starts = segment_ids[:, 1:] != segment_ids[:, :-1]                   # [B, T-1]
         logp, entropy = jnp.where(starts, 0.0, logp), jnp.where(starts, 0.0, entropy)

@@ -13,7 +13,12 @@ sequence carries the logprob of its token t (given tokens < t), the convention o
     advantages[r_i, s_i + t]       = A_i · response_mask
 
 plus the per-sequence index `seq_row`, `seq_start`, `seq_len`, `prompt_len` ([N] int32 numpy), from
-which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`).
+which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`). With truncated sampling
+(`sampling_supports` given) also
+
+    sampling_support[r_i, s_i + t, :] = the token ids of the support response token t was sampled from,
+                                        padded with -1 to `support_width` (K; -1 everywhere off the
+                                        response), [R, L, K] int32 (learner_jax/logprobs.py)
 
 Three layouts:
     one per row (pack=False)   row i = sequence i from column 0; L = next power of two >= max len_i
@@ -51,6 +56,9 @@ ROW_KEYS = ("input_ids", "segment_ids", "positions", "attention_mask", "response
 SEQ_KEYS = ("seq_row", "seq_start", "seq_len", "prompt_len")
 _ROW_DTYPES = dict(input_ids=np.int32, segment_ids=np.int32, positions=np.int32, attention_mask=np.int32,
                    response_mask=np.float32, rollout_logprobs=np.float32, advantages=np.float32)
+
+
+_FILL = {"sampling_support": -1}  # padding value of a view array, where it is not 0
 
 
 class MicroBatchBudgetError(UserError, ValueError):
@@ -148,9 +156,9 @@ class Layout:
                 np.repeat(self.start, self.length) + offset)
 
     def to_rows(self, view: np.ndarray, fill=0) -> np.ndarray:
-        """[N, T] per-sequence values → [rows, row_tokens] (padding = `fill`)."""
+        """[N, T, ...] per-sequence values → [rows, row_tokens, ...] (padding = `fill`)."""
         vr, vc, pr, pc = self._flat
-        out = np.full(self.shape, fill, view.dtype)
+        out = np.full(self.shape + view.shape[2:], fill, view.dtype)
         out[pr, pc] = view[vr, vc]
         return out
 
@@ -162,7 +170,8 @@ class Layout:
 
     def arrays(self, view: dict) -> dict[str, np.ndarray]:
         """The `ROW_KEYS` arrays (and any other [N, T] view arrays given) in this layout."""
-        out = {k: self.to_rows(v) for k, v in view.items() if k not in ("segment_ids", "positions", "attention_mask")}
+        out = {k: self.to_rows(v, fill=_FILL.get(k, 0)) for k, v in view.items()
+               if k not in ("segment_ids", "positions", "attention_mask")}
         vr, vc, pr, pc = self._flat
         out["segment_ids"] = np.zeros(self.shape, np.int32)
         out["segment_ids"][pr, pc] = np.repeat(self.segment, self.length)
@@ -278,6 +287,18 @@ def split_rows_of(layout: Layout, rows_per_part: int) -> list[Layout]:
     return parts
 
 
+def _support_view(supports, prompt_ids, shape, width):
+    """[B, T, K] int32: each response token's sampling support, padded with -1 (module doc)."""
+    out = np.full(shape + (width,), -1, np.int32)
+    for i, (p, per_token) in enumerate(zip(prompt_ids, supports)):
+        for t, support in enumerate(per_token):
+            if len(support) > width:
+                raise ValueError(f"sequence {i}, response token {t}: a support of {len(support)} tokens > "
+                                 f"support_width={width} (the sampling top_k)")
+            out[i, len(p) + t, :len(support)] = support
+    return out
+
+
 def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id, min_len, row_multiple):
     """The one-per-row arrays ([B, T], T a power of two) and the [N] lengths / prompt lengths."""
     n = len(prompt_ids)
@@ -308,15 +329,21 @@ def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_
 def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                   response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
                   pad_id: int = 0, min_len: int = 16, row_multiple: int = 1, pack: bool = False,
-                  row_tokens: int | None = None) -> dict:
+                  row_tokens: int | None = None, sampling_supports=None, support_width: int | None = None) -> dict:
     """Returns the `ROW_KEYS` arrays and the `SEQ_KEYS` index: every value a numpy array (`num_rows(batch)`
     and `num_sequences(batch)` count rows holding a sequence and sequences).
 
     pack=False: one sequence per row (module doc). pack=True: rows of `row_tokens` (default
     `packed_row_length` of the longest sequence), their count rounded by `round_rows(., row_multiple)`.
+    `sampling_supports` (per sequence, per response token, the support's ids; truncated sampling) adds
+    `sampling_support` [R, L, K], K = `support_width` (default: the largest support; a fixed K, the
+    sampling top_k, keeps the shape the learner compiles for the same from step to step).
     """
     view, lengths, prompt_len = _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id,
                                                min_len, 1 if pack else row_multiple)
+    if sampling_supports is not None:
+        width = support_width or max((len(s) for per in sampling_supports for s in per), default=1)
+        view["sampling_support"] = _support_view(sampling_supports, prompt_ids, view["input_ids"].shape, width)
     n = len(lengths)
     seq = np.arange(n)
     if pack:

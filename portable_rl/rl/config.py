@@ -1,6 +1,7 @@
 """The loop's settings, one small frozen config per concern; `dapo.DapoConfig` composes them.
 
-    GenerationConfig   what the engine samples per prompt        n_samples, temperature, max_response_tokens
+    GenerationConfig   what the engine samples per prompt        n_samples, temperature, max_response_tokens,
+                                                                   top_p, top_k
     DataConfig         how prompts become a step's groups          prompt_batch_size, dynamic_sampling,
                                                                    max_gen_batches
     ShapeConfig        the padded shapes the learner compiles for  min_seq_bucket
@@ -32,12 +33,32 @@ class GenerationConfig:
     n_samples: int = 16              # responses per prompt
     temperature: float = 1.0
     max_response_tokens: int = 64
+    # Truncated sampling: the engine returns each token's support and the learner renormalises over it,
+    # so rollout and learner logprobs stay the same quantity (docs/tis.md). top_p < 1 needs top_k >= 1.
+    top_p: float = 1.0
+    top_k: int = -1                  # -1: off
 
     def __post_init__(self):
         if self.n_samples < 2:
             raise ConfigError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
         if self.max_response_tokens < 1:
             raise ConfigError(f"max_response_tokens={self.max_response_tokens} must be >= 1")
+        if self.top_p != 1.0 and self.top_k == -1:
+            raise ConfigError(f"top_p={self.top_p} needs top_k >= 1 too (e.g. rl.DapoConfig.top_k = 64): the engine "
+                              "returns each token's sampling support, and top_k bounds its size")
+        try:
+            self.sampling()
+        except ValueError as e:
+            raise ConfigError(f"rl.DapoConfig: {e}") from None
+
+    def sampling(self, *, seed=None, stop_token_ids=()):
+        """The engines.base.SamplingConfig of a training rollout (truncated: with the support returned)."""
+        from portable_rl.engines.base import SamplingConfig
+
+        truncated = self.top_p != 1.0 or self.top_k != -1
+        return SamplingConfig(temperature=self.temperature, max_tokens=self.max_response_tokens, n=self.n_samples,
+                              seed=seed, stop_token_ids=stop_token_ids, top_p=self.top_p, top_k=self.top_k,
+                              return_support=truncated)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

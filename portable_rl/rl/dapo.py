@@ -127,9 +127,16 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
     lengths = np.array([len(r.response_token_ids) for r in rollouts], np.float32)  # [G*n]
     shaped = shaped_rewards(cfg, rewards, lengths)
     adv = group_advantages(cfg, shaped)
+    supports = None
+    if cfg.generation.top_k != -1 or cfg.generation.top_p != 1.0:  # truncated sampling: the supports
+        if any(r.sampling_support is None for r in rollouts):
+            raise ValueError("top_p / top_k sampling but a rollout has no sampling_support: the engine must "
+                             "return it (SamplingConfig.return_support)")
+        supports = [r.sampling_support for r in rollouts]
     batch = pack_rollouts([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
                           [r.response_logprobs for r in rollouts], adv, pad_id=pad_id,
-                          min_len=cfg.shapes.min_seq_bucket, row_multiple=cfg.rows_per_minibatch)
+                          min_len=cfg.shapes.min_seq_bucket, row_multiple=cfg.rows_per_minibatch,
+                          sampling_supports=supports, support_width=cfg.generation.top_k if supports else None)
     stats = {"reward/shaped_mean": float(shaped.mean()), "advantage/abs_mean": float(np.abs(adv).mean()),
              "batch/sequences": len(rollouts), "batch/seq_len_bucket": batch["input_ids"].shape[1]}
     return batch, stats

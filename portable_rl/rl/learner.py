@@ -69,6 +69,12 @@ from portable_rl.rl import batching
 from portable_rl.rl.batching import MicroBatchBudgetError
 
 _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
+_SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pack_rollouts), else absent
+
+
+def _view(batch: dict) -> dict:
+    """The per-sequence arrays the layouts move into rows: _VIEW_KEYS, and the sampling support if any."""
+    return {k: batch[k] for k in _VIEW_KEYS + ((_SUPPORT,) if _SUPPORT in batch else ())}
 # policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
 # except these, combined as a max
 _MAX_METRICS = ("ratio_max",)
@@ -76,9 +82,11 @@ _CORRECT_WARNED = False
 
 
 def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
-    """(logp, entropy) [R, L] of rows that may pack several sequences (`segment_ids` / `positions`)."""
+    """(logp, entropy) [R, L] of rows that may pack several sequences (`segment_ids` / `positions`); with a
+    `sampling_support` [R, L, K], logp is renormalised over each token's support (learner_jax/logprobs.py)."""
     return sequence_logprobs(model, batch["input_ids"], None, temperature, segment_ids=batch["segment_ids"],
-                             positions=batch["positions"], chunk_tokens=chunk_tokens)
+                             positions=batch["positions"], chunk_tokens=chunk_tokens,
+                             sampling_support=batch.get(_SUPPORT))
 
 
 def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
@@ -257,13 +265,13 @@ class Learner:
         """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the
         update's micro-batches (0 off the response mask)."""
         layouts = self.micro_layouts(batch) if layouts is None else layouts
-        view = {k: batch[k] for k in _VIEW_KEYS}
+        view = _view(batch)
         old = np.zeros(batch["input_ids"].shape, np.float32)
         for layout in (lay for mini in layouts for lay in mini):
             rows = layout.arrays(view)
             with self._on_mesh():
                 logp = self._row_logprobs(self.model, self._device(
-                    {k: rows[k] for k in ("input_ids", "segment_ids", "positions")}))
+                    {k: rows[k] for k in ("input_ids", "segment_ids", "positions", _SUPPORT) if k in rows}))
             layout.to_view(to_host(logp), old)
         return old * batch["response_mask"]
 
@@ -284,7 +292,7 @@ class Learner:
             weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
             weights, keep = np.asarray(weights), np.asarray(keep)
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
-        view = {k: batch[k] for k in _VIEW_KEYS}
+        view = _view(batch)
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
                     token_weights=np.zeros_like(loss_mask))
         micro, padding, tokens, rows, laid_out = [], 0, 0, 0, 0

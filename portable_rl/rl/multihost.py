@@ -125,7 +125,7 @@ def padded_size(size: int, minimum: int = 1024) -> int:
 def groups_to_wire(groups) -> dict:
     """Kept `rollout.ScoredGroup`s → flat arrays: everything `dapo.build_batch` reads, nothing more."""
     rollouts = [r for g in groups for r in g.rollouts]
-    return {
+    wire = {
         "group_sizes": np.array([len(g.rollouts) for g in groups], np.int32),                  # [G]
         "rewards": np.concatenate([np.asarray(g.rewards, np.float32) for g in groups]),         # [N]
         "prompt_lengths": np.array([len(r.prompt_token_ids) for r in rollouts], np.int32),      # [N]
@@ -136,6 +136,11 @@ def groups_to_wire(groups) -> dict:
         "response_logprobs": np.array([x for r in rollouts for x in r.response_logprobs], np.float32),
         "truncated": np.array([r.finish_reason == "length" for r in rollouts], bool),           # [N]
     }
+    if rollouts and rollouts[0].sampling_support is not None:  # truncated sampling: every rollout has one
+        supports = [s for r in rollouts for s in r.sampling_support]
+        wire["support_sizes"] = np.array([len(s) for s in supports], np.int32)                 # [Σ|r|]
+        wire["support_ids"] = np.array([v for s in supports for v in s], np.int32)            # [Σ|S_t|]
+    return wire
 
 
 def groups_from_wire(wire: dict) -> list:
@@ -144,10 +149,15 @@ def groups_from_wire(wire: dict) -> list:
     from portable_rl.rl.rollout import ScoredGroup
 
     p_end, r_end = np.cumsum(wire["prompt_lengths"]), np.cumsum(wire["response_lengths"])
+    supports = None
+    if "support_sizes" in wire:  # per response token, its sampling support
+        s_end = np.cumsum(wire["support_sizes"])
+        supports = [wire["support_ids"][e - n:e].tolist() for e, n in zip(s_end, wire["support_sizes"])]
     rollouts = [Rollout(prompt_index=i, prompt_token_ids=wire["prompt_ids"][p_end[i] - pl:p_end[i]].tolist(),
                         response_token_ids=wire["response_ids"][r_end[i] - rl:r_end[i]].tolist(),
                         response_logprobs=wire["response_logprobs"][r_end[i] - rl:r_end[i]].tolist(),
-                        finish_reason="length" if wire["truncated"][i] else "stop")
+                        finish_reason="length" if wire["truncated"][i] else "stop",
+                        sampling_support=None if supports is None else supports[r_end[i] - rl:r_end[i]])
                 for i, (pl, rl) in enumerate(zip(wire["prompt_lengths"], wire["response_lengths"]))]
     groups, start = [], 0
     for size in wire["group_sizes"].tolist():

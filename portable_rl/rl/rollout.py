@@ -17,7 +17,6 @@ import dataclasses
 
 import numpy as np
 
-from portable_rl.engines.base import SamplingConfig
 from portable_rl.errors import UserError
 from portable_rl.rl.dynamic_sampling import GroupCollector
 from portable_rl.rl.scoring import generate_and_score
@@ -47,8 +46,7 @@ def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int)
     all_rewards, all_lengths, truncated, nonfinite = [], [], 0, 0
     for draw in range(data.max_gen_batches):
         examples = task.train_batch(step, draw, data.prompt_batch_size)
-        sampling = SamplingConfig(temperature=gen.temperature, max_tokens=gen.max_response_tokens,
-                                  n=n, seed=sampling_seed(seed, step, draw), stop_token_ids=(codec.eos_id,))
+        sampling = gen.sampling(seed=sampling_seed(seed, step, draw), stop_token_ids=(codec.eos_id,))
         scored = generate_and_score(engine, codec, examples, reward_fn, sampling)
         rollouts, rewards = scored.rollouts, scored.rewards
         groups = [ScoredGroup(examples[p], rollouts[p * n:(p + 1) * n], rewards[p * n:(p + 1) * n])
