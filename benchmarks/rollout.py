@@ -13,7 +13,10 @@ On CPU the FP8 GEMM is engines/vllm_cpu_fp8.py's dense GEMM of the exactly upcas
 no FP8 matrix unit), so this ratio says little about FP8 tensor-core GEMMs on a GPU (there, expect
 fp8 ≥ bf16 once GEMMs dominate). `--fp8-baseline` adds a third arm on the same fp8 engine: vLLM's own
 kernel with row-wise scales (`torch._scaled_mm` → oneDNN, the previous fast path), alternating with the
-others, for the speed-up of the dense path in one run. `--model DIR` benchmarks an HF checkpoint directory
+others, for the speed-up of the dense path in one run. `--support-cost` adds the bf16 engine at top_p 0.8 /
+top_k 64 returning each token's sampling support (`SamplingConfig.return_support`: vLLM's top-64 processed
+logprobs per token), the price of exact top-p TIS (tokens/s; the arms sample different tokens).
+`--model DIR` benchmarks an HF checkpoint directory
 (e.g. checkpoints/smollm2-135m-instruct) instead of a random Qwen2.
 
 Breakdown. `--run-dir RUN` reads RUN/metrics.jsonl (written by `portable_rl.train`) and prints the medians of
@@ -112,6 +115,24 @@ def _onednn_rowwise_scaled_mm(self, *, A, B, out_dtype, As, Bs, bias, output_sha
     return (out if bias is None else out + bias).to(out_dtype).view(*output_shape)
 
 
+class _TruncatedSampling:
+    """Runs the bf16 engine with top_p / top_k and the support returned (the `--support-cost` arm)."""
+
+    def __init__(self, engine, top_p: float, top_k: int):
+        self.engine, self.top_p, self.top_k = engine, top_p, top_k
+
+    def generate(self, prompts, sampling):
+        import dataclasses
+
+        truncated = dataclasses.replace(sampling, top_p=self.top_p, top_k=self.top_k, return_support=True)
+        rollouts = self.engine.generate(prompts, truncated)
+        assert all(r.sampling_support is not None for r in rollouts)
+        return rollouts
+
+    def close(self):
+        pass  # the engine is closed once, under its own name
+
+
 class _Fp8Kernel:
     """Runs an fp8 engine's generate with a chosen CPU GEMM (the dense fast path, or the oneDNN baseline)."""
 
@@ -174,6 +195,8 @@ def throughput(args) -> dict:
     if args.fp8_baseline:  # both fp8 arms reset the shared engine's prefix cache before each call
         engines["fp8_per_channel"] = _Fp8Kernel(engines["fp8_per_channel"], None)
         engines["fp8_onednn_baseline"] = _Fp8Kernel(engines["fp8_per_channel"].engine, _onednn_rowwise_scaled_mm)
+    if args.support_cost:  # the bf16 engine again, at top_p 0.8 / top_k 64 with each token's support
+        engines["bf16_top_p_support"] = _TruncatedSampling(engines["bf16"], 0.8, 64)
     prompts = make_prompts(args.prompts)
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens, seed=0)
     times = {k: [] for k in engines}
@@ -182,7 +205,8 @@ def throughput(args) -> dict:
         for i in range(1 + args.reps):  # round 0 warms up
             for kind, engine in engines.items():
                 # Every call prefills its prompts (and no arm reuses KV entries another arm's GEMM computed).
-                (engine.engine if isinstance(engine, _Fp8Kernel) else engine)._llm.reset_prefix_cache()
+                (engine.engine if isinstance(engine, (_Fp8Kernel, _TruncatedSampling)) else engine
+                 )._llm.reset_prefix_cache()
                 start = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
                 elapsed = time.perf_counter() - start
@@ -205,6 +229,8 @@ def throughput(args) -> dict:
            "ratio_fp8_over_bf16": tps["fp8_per_channel"] / tps["bf16"]}
     if args.fp8_baseline:
         out["ratio_dense_over_onednn"] = tps["fp8_per_channel"] / tps["fp8_onednn_baseline"]
+    if args.support_cost:  # tokens/s: the two arms sample different tokens (and lengths)
+        out["ratio_support_over_plain_bf16"] = tps["bf16_top_p_support"] / tps["bf16"]
     return out
 
 
@@ -223,6 +249,8 @@ def main():
     parser.add_argument("--model", default=None, help="an HF checkpoint directory instead of a random Qwen2")
     parser.add_argument("--fp8-baseline", action="store_true",
                         help="add vLLM's own per-channel kernel (oneDNN _scaled_mm) on the same fp8 engine")
+    parser.add_argument("--support-cost", action="store_true",
+                        help="add the bf16 engine at top_p 0.8 / top_k 64 returning each token's sampling support")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
