@@ -22,8 +22,12 @@ def _run(*args, timeout=420):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")  # root / "warmstart": the warm start, made by the first run, shared
+
+
+@pytest.fixture(scope="module")
+def run_dir(root):
     run = root / "run"
     _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.TRAIN_STEPS={STEPS}", f"--gin.RUN_DIR={run}",
          f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.WARMSTART_STEPS=40", "--gin.train.eval_every=2",
@@ -64,3 +68,20 @@ def test_evaluate_on_what_training_wrote(run_dir):
     assert 0.0 <= report["accuracy"] <= report["pass@4"] <= 1.0
     assert len(report["samples"]) == 128 and report["quantization"] == "fp8_per_channel"
     assert "pass@4" in proc.stdout and "accuracy" in proc.stdout
+
+
+def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
+    """The default run with bf16 rollouts at top_p = 0.8, top_k = 64 (issue 16): the engine returns each
+    token's support and the learner renormalises over it, so tis/kl, engine vs learner on the trained
+    tokens, stays at the bf16 floor (<= 0.01) every step (without the support it would be about the mean
+    of −log Σ_S p: tests/test_sampling_support.py)."""
+    run = root / "top_p"
+    _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", "--gin.TRAIN_STEPS=2", f"--gin.RUN_DIR={run}",
+         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION=None", "--gin.rl.DapoConfig.top_p=0.8",
+         "--gin.rl.DapoConfig.top_k=64", "--gin.train.eval_every=100", "--gin.train.probe_prompts=0",
+         "--gin.train.progress=False")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["tis/valid_tokens"] > 0 and abs(r["tis/kl"]) <= 0.01, r["tis/kl"]
+    assert "DapoConfig.top_p = 0.8" in (run / "config.gin").read_text()
