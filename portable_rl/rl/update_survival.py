@@ -61,6 +61,11 @@ from portable_rl.engines.quantize import FP8_MAX, is_quantized_projection
 TRACKED_SCHEMES = (None, "fp8_per_channel")
 
 
+def projection_paths(model_config) -> list[tuple]:
+    """NNX paths of the decoder projections (q/k/v/o, gate/up/down kernels): the matrices engines quantize."""
+    return [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+
+
 def served_bf16(w):
     """[in, C] f32 -> the values a bf16 push delivers, as f32."""
     return w.astype(jnp.bfloat16).astype(jnp.float32)
@@ -124,7 +129,7 @@ class UpdateSurvival:
         if channel_stride < 1:
             raise ValueError(f"channel_stride must be >= 1, got {channel_stride}; disable the tracker with "
                              "train.update_survival_stride=0")
-        self.paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+        self.paths = projection_paths(model_config)
         self.stride = channel_stride
         self._previous = self._first = None
         self.serving(quantization)
