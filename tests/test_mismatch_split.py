@@ -143,32 +143,39 @@ def test_staleness_is_the_previous_probe_rescored():
     assert "mismatch/staleness" not in run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
 
 
-class CountingLearner:
-    """A learner's `logprobs` calls (shapes, and whether its model is the learner's own) into a shared list."""
+def test_quantized_learner_scores_the_quantized_copy():
+    """The fused path (quantize inside the learner's jitted forward) = the learner on a quantized model copy."""
+    learner = make_learner()
+    rows, _ = probe_rows(PROMPTS, RESPONSES, 0)
+    fused = quantized_learner(learner, "fp8_per_channel").logprobs(rows["input_ids"], rows["attention_mask"])
+    on_copy = copy.copy(learner)
+    on_copy.model = with_quantized_projections(learner.model, "fp8_per_channel")
+    np.testing.assert_allclose(fused, on_copy.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
+    assert not np.allclose(fused, learner.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
 
-    def __init__(self, learner, calls):
-        self.inner, self.model, self.calls = learner, learner.model, calls
 
-    def logprobs(self, input_ids, attention_mask):
-        self.calls.append((np.shape(input_ids), self.model is self.inner.model))
-        return Learner.logprobs(_with_model(self.inner, self.model), input_ids, attention_mask)
+def count_logprobs(monkeypatch):
+    """Every `Learner.logprobs` call (its rows' shape, and whether it is quantized) into the returned list."""
+    calls, original = [], Learner.logprobs
 
+    def counted(self, input_ids, attention_mask):
+        calls.append((np.shape(input_ids), "quantized_forward" in getattr(self._logprobs, "__name__", "")))
+        return original(self, input_ids, attention_mask)
 
-def _with_model(learner, model):
-    scorer = copy.copy(learner)
-    scorer.model = model
-    return scorer
+    monkeypatch.setattr(Learner, "logprobs", counted)
+    return calls
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8_per_channel", "fp8"])
-def test_followers_run_the_drivers_forwards(quantization):
+def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
     """Multihost invariant: a follower, given the driver's broadcast, runs the same learner forwards."""
     learner = make_learner()
     split = MismatchSplit(staleness=True)
     own = learner_logprobs(learner)
     engine = ScriptedEngine(quantization, lambda: own)
+    calls = count_logprobs(monkeypatch)
     for _ in range(2):  # the second probe has staleness's forward too
-        sent, driver_calls, follower_calls = [], [], []
+        sent = []
 
         def share(tree=None):
             if tree is not None:
@@ -177,11 +184,12 @@ def test_followers_run_the_drivers_forwards(quantization):
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "fp8": not modelled (tested above)
-            run_probe(engine, CountingLearner(learner, driver_calls), PROMPTS, **PROBE, share=share, split=split)
-        follow_probe(CountingLearner(learner, follower_calls), share)
-        assert follower_calls == driver_calls
-    expected = 1 + (quantization == "fp8_per_channel") + 1  # probe, quantized, previous rows
-    assert len(driver_calls) == expected
+            run_probe(engine, learner, PROMPTS, **PROBE, share=share, split=split)
+        driver_calls, calls[:] = list(calls), []
+        follow_probe(learner, share)
+        assert calls == driver_calls
+        calls.clear()
+    assert [q for _, q in driver_calls] == [False] + [True] * (quantization == "fp8_per_channel") + [False]
 
 
 def test_train_keyword_must_be_a_bool():

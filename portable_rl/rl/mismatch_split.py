@@ -84,11 +84,32 @@ def with_quantized_projections(model, quantization: str):
     return quantized_model
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward"))
+def _quantized_forward(state, input_ids, attention_mask, *, graphdef, quantization, forward):
+    """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`) with its projections
+    quantized, in one XLA program: the quantized kernels are temporaries of it (no model copy to build)."""
+    model = nnx.merge(graphdef, state)  # a copy inside the trace: the caller's model is not changed
+    paths = projection_paths(model.config)
+    for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
+        get_param(model, path)[...] = q
+    return forward(model, input_ids, attention_mask)
+
+
 def quantized_learner(learner, quantization: str):
-    """`learner` scoring with `with_quantized_projections(learner.model, quantization)`: a shallow copy, so
-    the jitted functions, the mesh and the layout are the learner's own (the same compilations)."""
+    """`learner` whose `logprobs` scores with its projections quantized: a shallow copy whose jitted forward
+    (`Learner._logprobs(model, input_ids, attention_mask)`, the one `Learner.logprobs` calls, within its
+    row padding and mesh) is wrapped so that the kernels are quantized first, in the same XLA program.
+    Everything else (the forward itself, the mesh, the layout) is the learner's own. The same logprobs as
+    `with_quantized_projections` (tests/test_mismatch_split.py), without the Python cost of building it."""
+    forward = learner._logprobs
+
+    def quantized_forward(model, input_ids, attention_mask):
+        graphdef, state = nnx.split(model)
+        return _quantized_forward(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
+                                  forward=forward)
+
     scorer = copy.copy(learner)
-    scorer.model = with_quantized_projections(learner.model, quantization)
+    scorer._logprobs = quantized_forward
     return scorer
 
 
