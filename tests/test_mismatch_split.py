@@ -155,11 +155,11 @@ def test_quantized_learner_scores_the_quantized_copy():
 
 
 def count_logprobs(monkeypatch):
-    """Every `Learner.logprobs` call (its rows' shape, and whether it is quantized) into the returned list."""
+    """Every `Learner.logprobs` call (its rows' shape, and whether a `scoring_learner` makes it) into a list."""
     calls, original = [], Learner.logprobs
 
     def counted(self, input_ids, attention_mask):
-        calls.append((np.shape(input_ids), "quantized_forward" in getattr(self._logprobs, "__name__", "")))
+        calls.append((np.shape(input_ids), getattr(self._logprobs, "__name__", "") == "forward_of_state"))
         return original(self, input_ids, attention_mask)
 
     monkeypatch.setattr(Learner, "logprobs", counted)
@@ -189,7 +189,7 @@ def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
         follow_probe(learner, share)
         assert calls == driver_calls
         calls.clear()
-    assert [q for _, q in driver_calls] == [False] + [True] * (quantization == "fp8_per_channel") + [False]
+    assert [q for _, q in driver_calls] == [False] + [True] * (quantization == "fp8_per_channel") + [True]
 
 
 def test_train_keyword_must_be_a_bool():

@@ -85,32 +85,40 @@ def with_quantized_projections(model, quantization: str):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward"))
-def _quantized_forward(state, input_ids, attention_mask, *, graphdef, quantization, forward):
-    """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`) with its projections
-    quantized, in one XLA program: the quantized kernels are temporaries of it (no model copy to build)."""
+def _forward_of_state(state, input_ids, attention_mask, *, graphdef, quantization, forward):
+    """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`), its projections first
+    quantized unless `quantization` is None, in one XLA program: the quantized kernels are temporaries of it
+    (no model copy to build), and the call costs one jit dispatch on the state, not an `nnx.jit`'s."""
     model = nnx.merge(graphdef, state)  # a copy inside the trace: the caller's model is not changed
-    paths = projection_paths(model.config)
-    for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
-        get_param(model, path)[...] = q
+    if quantization is not None:
+        paths = projection_paths(model.config)
+        for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
+            get_param(model, path)[...] = q
     return forward(model, input_ids, attention_mask)
 
 
-def quantized_learner(learner, quantization: str):
-    """`learner` whose `logprobs` scores with its projections quantized: a shallow copy whose jitted forward
-    (`Learner._logprobs(model, input_ids, attention_mask)`, the one `Learner.logprobs` calls, within its
-    row padding and mesh) is wrapped so that the kernels are quantized first, in the same XLA program.
-    Everything else (the forward itself, the mesh, the layout) is the learner's own. The same logprobs as
-    `with_quantized_projections` (tests/test_mismatch_split.py), without the Python cost of building it."""
+def scoring_learner(learner, quantization: str | None = None):
+    """`learner` whose `logprobs` runs its forward through `_forward_of_state`: a shallow copy whose jitted
+    forward (`Learner._logprobs(model, input_ids, attention_mask)`, the one `Learner.logprobs` calls, within
+    its row padding and mesh) is wrapped, quantizing the projections first when `quantization` is set.
+    Everything else (the forward itself, the mesh, the layout) is the learner's own; with a quantization the
+    same logprobs as the learner on `with_quantized_projections` (tests/test_mismatch_split.py), without the
+    Python cost of building that copy."""
     forward = learner._logprobs
 
-    def quantized_forward(model, input_ids, attention_mask):
+    def forward_of_state(model, input_ids, attention_mask):
         graphdef, state = nnx.split(model)
-        return _quantized_forward(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
-                                  forward=forward)
+        return _forward_of_state(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
+                                 forward=forward)
 
     scorer = copy.copy(learner)
-    scorer._logprobs = quantized_forward
+    scorer._logprobs = forward_of_state
     return scorer
+
+
+def quantized_learner(learner, quantization: str):
+    """`learner` scoring with its decoder projections quantized by the engine's `quantization`."""
+    return scoring_learner(learner, quantization)
 
 
 def extra_forwards(learner, message: dict) -> dict:
@@ -126,7 +134,7 @@ def extra_forwards(learner, message: dict) -> dict:
             message["input_ids"], message["attention_mask"])
     if plan["previous_rows"] is not None:
         rows = plan["previous_rows"]
-        out["current_on_previous"] = learner.logprobs(rows["input_ids"], rows["attention_mask"])
+        out["current_on_previous"] = scoring_learner(learner).logprobs(rows["input_ids"], rows["attention_mask"])
     return out
 
 
