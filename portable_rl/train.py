@@ -131,7 +131,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True, share_prompts: bool = False,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
           remat: str = "none", progress: bool = True, memory_plan=None,
-          update_survival_stride: int = 16) -> list[dict]:
+          update_survival_stride: int = 16, mismatch_split: bool = True) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
@@ -145,6 +145,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
     `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
     `sync/quantized_changed_frac` / `sync/update_lost_frac` (rl/update_survival.py, docs/training.md); 0: off.
+    `mismatch_split`: with a probe (`probe_prompts` > 0), split its KL into `mismatch/quantization`,
+    `mismatch/kernels` (and, async, `mismatch/staleness`): one more learner forward on the probe rows
+    (rl/mismatch_split.py, docs/tis.md); False: off.
     `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
     learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
     learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
@@ -181,7 +184,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
                 greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
                                       stop_token_ids=(codec.eos_id,)),
-                bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs)
+                bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs,
+                mismatch_split=mismatch_split)
         else:  # receives the driver's batches and joins every collective
             side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
         timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it

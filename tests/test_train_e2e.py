@@ -46,8 +46,14 @@ def test_run_directory_contents(run_dir):
         for key in ("reward/mean", "accuracy/train", "response_length/mean", "tis/kl", "tis/k3_kl", "tis/ess",
                     "tis/clipped_frac", "tis/weight_mean", "probe/kl", "time/generate", "time/logprob",
                     "time/train", "time/sync", "time/step", "sync/quantized_changed_frac", "sync/update_lost_frac",
-                    "sync/cumulative_update_lost_frac", "sync/bf16_changed_frac", "time/update_survival"):
+                    "sync/cumulative_update_lost_frac", "sync/bf16_changed_frac", "time/update_survival",
+                    "mismatch/quantization", "mismatch/kernels", "mismatch/interaction", "time/mismatch_split",
+                    "time/probe"):
             assert key in r, key
+        # the fp8 engine's mismatch, split (rl/mismatch_split.py): the parts add up to the probe's KL
+        parts = r["mismatch/quantization"] + r["mismatch/kernels"] + r["mismatch/interaction"]
+        assert r["mismatch/quantization"] > 0 and abs(parts - r["probe/kl"]) < 1e-9 + 1e-6 * r["probe/kl"]
+        assert "mismatch/staleness" not in r  # synchronous run
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["time/step"] > 0
         assert 0.0 <= r["sync/quantized_changed_frac"] <= 1.0
     # Where the learner stepped, some of the engine's FP8 weights moved.

@@ -76,13 +76,19 @@ def check_probe(result: ProbeResult, *, threshold: float = DEFAULT_BF16_THRESHOL
     return result
 
 
+def sample_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
+                 max_tokens: int = 16, seed: int = 1234) -> list:
+    """The probe batch: one seeded response per prompt, with the engine's logprobs (`Rollout`s)."""
+    return engine.generate(prompts, SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=seed))
+
+
 def run_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]],
               reference_fn: Callable[[list[list[int]], list[list[int]]], Sequence[Sequence[float]]], *,
               temperature: float = 1.0, max_tokens: int = 16, seed: int = 1234,
               threshold: float = DEFAULT_BF16_THRESHOLD, quantized: bool = False) -> ProbeResult:
     """Generates the probe batch, scores it with `reference_fn(prompts, responses) -> per-token logprobs`
     (the learner's, at the same temperature), compares, and checks (raises for bf16 above `threshold`)."""
-    rollouts = engine.generate(prompts, SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=seed))
+    rollouts = sample_probe(engine, prompts, temperature=temperature, max_tokens=max_tokens, seed=seed)
     reference = reference_fn([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts])
     result = compare_logprobs([r.response_logprobs for r in rollouts], reference)
     return check_probe(result, threshold=threshold, quantized=quantized)

@@ -10,6 +10,7 @@
     wait_rollouts(): async: the in-flight generation               (nothing)
     push(): weight export (gathers) → torch → engine reload        push(): the same export, gathers only
     probe(): engine samples, the learner scores                    probe(): the learner scores the same rows
+        (and the mismatch split's extra forwards)                      (the same extra forwards)
     heldout(): greedy held-out accuracy through the engine         heldout(): {}
     write(step, m): metrics.jsonl + TensorBoard; plots()           write: the row, nothing written
 
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 import time
 
+from portable_rl.errors import ConfigError
 from portable_rl.rl.async_rollout import rollout_source
 from portable_rl.rl.dapo import build_batch
 from portable_rl.rl.evaluation import evaluate_examples
+from portable_rl.rl.mismatch_split import MismatchSplit
 from portable_rl.rl.multihost import Processes, groups_from_wire, groups_to_wire, wire_bytes
 from portable_rl.rl.rollout import collect_groups
 from portable_rl.rl.sync import follow_probe, join_weight_export, push_weights, run_probe
@@ -44,10 +47,15 @@ class EngineSide:
     """Owns the engine, the task draws, evaluation and the run directory's logs."""
 
     def __init__(self, *, engine, writer, codec, task, reward_fn, cfg, seed: int, held_out, greedy, probe_ids,
-                 bucket_mb: int, async_rollouts: bool, procs: Processes = Processes()):
+                 bucket_mb: int, async_rollouts: bool, procs: Processes = Processes(), mismatch_split: bool = True):
+        """`mismatch_split`: split the probe's KL by source (rl/mismatch_split.py); staleness when async."""
+        if not isinstance(mismatch_split, bool):
+            raise ConfigError(f"train.mismatch_split={mismatch_split!r}: set True or False (the mismatch/* "
+                              "split of the post-sync probe)")
         self.engine, self.writer, self.codec, self.task, self.reward_fn = engine, writer, codec, task, reward_fn
         self.cfg, self.seed, self.held_out, self.greedy, self.probe_ids = cfg, seed, held_out, greedy, probe_ids
         self.bucket_mb, self.procs = bucket_mb, procs
+        self.split = MismatchSplit(staleness=async_rollouts) if mismatch_split else None
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
@@ -81,7 +89,7 @@ class EngineSide:
     def probe(self, learner) -> dict:
         return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,
                          max_tokens=self.cfg.max_response_tokens, pad_id=self.codec.pad_id,
-                         share=self.procs.broadcast)
+                         share=self.procs.broadcast, split=self.split)
 
     def heldout(self) -> dict:
         summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)

@@ -61,17 +61,34 @@ from portable_rl.engines.quantize import FP8_MAX, is_quantized_projection
 TRACKED_SCHEMES = (None, "fp8_per_channel")
 
 
+def projection_paths(model_config) -> list[tuple]:
+    """NNX paths of the decoder projections (q/k/v/o, gate/up/down kernels): the matrices engines quantize."""
+    return [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+
+
 def served_bf16(w):
     """[in, C] f32 -> the values a bf16 push delivers, as f32."""
     return w.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _true_divide(x, y):
+    """x / y rounded once, as torch divides. XLA rewrites a division by a broadcast (or a constant) into a
+    multiplication by its reciprocal, which rounds twice and sends a quotient on an e4m3 midpoint (common for
+    bf16 weights: ~0.04 % of the entries) the other way; an optimization barrier on the full-shape divisor
+    keeps the true division."""
+    shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y))
+    return x / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(y, jnp.float32), shape))
+
+
+_MIN_CHANNEL_SCALE = np.float32(1.0) / np.float32(FP8_MAX * 512)  # vLLM's clamp, an f32 division as there
 
 
 def served_fp8_per_channel(w):
     """[in, C] f32 (NNX kernel: output channels are columns) -> the per-channel e4m3 values, as f32."""
     b = served_bf16(w)
     # vLLM 0.32 (online/fp8.py): scale = max(amax / 448, 1 / (448 * 512)); true division, clamp, cast.
-    scale = jnp.maximum(jnp.max(jnp.abs(b), axis=0, keepdims=True) / FP8_MAX, 1.0 / (FP8_MAX * 512))  # [1, C]
-    q = jnp.clip(b / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)    # [in, C]
+    scale = jnp.maximum(_true_divide(jnp.max(jnp.abs(b), axis=0, keepdims=True), FP8_MAX), _MIN_CHANNEL_SCALE)
+    q = jnp.clip(_true_divide(b, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)    # [in, C]
     return q.astype(jnp.float32) * scale
 
 
@@ -124,7 +141,7 @@ class UpdateSurvival:
         if channel_stride < 1:
             raise ValueError(f"channel_stride must be >= 1, got {channel_stride}; disable the tracker with "
                              "train.update_survival_stride=0")
-        self.paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+        self.paths = projection_paths(model_config)
         self.stride = channel_stride
         self._previous = self._first = None
         self.serving(quantization)

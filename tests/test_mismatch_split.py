@@ -1,0 +1,200 @@
+"""mismatch/* (rl/mismatch_split.py) without an engine: the quantizer emulation, the split's arithmetic, staleness
+and the followers' forwards, on a tiny random model and a scripted engine (tests/test_mismatch_split_vllm.py
+has the real engines)."""
+
+import copy
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from portable_rl import tis
+from portable_rl.convert.hf import get_param
+from portable_rl.convert.mapping import param_mappings
+from portable_rl.engines.base import Rollout
+from portable_rl.errors import ConfigError
+from portable_rl.learner_jax.config import ModelConfig
+from portable_rl.learner_jax.model import Transformer
+from portable_rl.rl.dapo import DapoConfig
+from portable_rl.rl.learner import Learner
+from portable_rl.rl.mismatch_split import MismatchSplit, quantized_learner, with_quantized_projections
+from portable_rl.rl.sync import follow_probe, probe_rows, run_probe
+from portable_rl.rl.update_survival import projection_paths, served_fp8_per_channel
+from portable_rl.testing.perturb import perturbed
+
+CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 20, 21, 22, 23, 24]]
+RESPONSES = [[30, 31, 32, 33, 34], [40, 41, 42], [50, 51, 52, 53]]
+PROBE = dict(temperature=1.0, max_tokens=8, pad_id=0)
+
+
+def make_learner(param_dtype=jnp.float32):
+    model = Transformer(CONFIG, param_dtype=param_dtype, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=2, max_response_tokens=8, temperature=1.0)
+    return Learner(model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param), cfg,
+                   tis.RolloutCorrectionConfig(mode="none"))
+
+
+def learner_logprobs(learner):
+    """Per response, `learner`'s logprobs of RESPONSES (what the probe's reference computes)."""
+    rows, spans = probe_rows(PROMPTS, RESPONSES, 0)
+    logp = np.asarray(learner.logprobs(rows["input_ids"], rows["attention_mask"]))
+    return [logp[i, s:s + n].tolist() for i, (s, n) in enumerate(spans)]
+
+
+class ScriptedEngine:
+    """Answers every probe with RESPONSES and the logprobs `score()` returns; reports `quantization`."""
+
+    def __init__(self, quantization, score):
+        self.quantization, self.score = quantization, score
+
+    def generate(self, prompts, sampling):
+        assert [list(p) for p in prompts] == PROMPTS
+        return [Rollout(i, list(p), list(r), list(lp), "length")
+                for i, (p, r, lp) in enumerate(zip(PROMPTS, RESPONSES, self.score()))]
+
+
+def noisy(logprobs, scale, seed):
+    rng = np.random.default_rng(seed)
+    return [(np.asarray(s) + scale * rng.standard_normal(len(s))).tolist() for s in logprobs]
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_quantized_copy_has_fp8_projections_and_shares_the_rest(param_dtype):
+    learner = make_learner(param_dtype)
+    model = learner.model
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    copy = with_quantized_projections(model, "fp8_per_channel")
+    paths = set(projection_paths(CONFIG))
+    assert len(paths) == 7 * CONFIG.num_hidden_layers
+    for m in param_mappings(CONFIG):
+        original, quantized = get_param(model, m.nnx_path)[...], get_param(copy, m.nnx_path)[...]
+        assert quantized.dtype == original.dtype and quantized.shape == original.shape
+        if m.nnx_path in paths:  # the exact formula (update_survival.served_fp8_per_channel, checked vs vLLM)
+            np.testing.assert_array_equal(np.asarray(quantized),
+                                          np.asarray(served_fp8_per_channel(original).astype(original.dtype)))
+            # per output channel (column): amax / 448 scale; every value a multiple of an e4m3 value of it
+            b = np.asarray(original.astype(jnp.bfloat16).astype(jnp.float32))
+            scale = np.abs(b).max(axis=0) / 448.0
+            units = np.asarray(quantized, np.float32) / scale
+            assert np.all(np.abs(units) <= 448.0 * (1 + 2 ** -7))
+            assert not np.array_equal(np.asarray(quantized, np.float32), np.asarray(original, np.float32))
+        else:  # embeddings, norms, biases (lm_head is tied here): the learner's own array
+            assert quantized is original
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)  # the learner's model is unchanged
+
+
+def test_bf16_engine_is_all_kernels():
+    learner = make_learner()
+    own = learner_logprobs(learner)
+    engine = ScriptedEngine(None, lambda: noisy(own, 0.01, seed=0))
+    m = run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+    assert m["mismatch/quantization"] == 0.0 and m["mismatch/quantization_max_abs_diff"] == 0.0
+    assert m["mismatch/kernels"] == m["probe/kl"] > 0 and m["mismatch/interaction"] == 0.0
+    assert m["mismatch/kernels_max_abs_diff"] == m["probe/max_abs_diff"]
+    assert "mismatch/staleness" not in m and m["time/mismatch_split"] >= 0 and m["time/probe"] >= 0
+
+
+def test_engine_serving_quantized_weights_is_all_quantization():
+    learner = make_learner()
+    served = learner_logprobs(quantized_learner(learner, "fp8_per_channel"))  # what an exact fp8 engine returns
+    m = run_probe(ScriptedEngine("fp8_per_channel", lambda: served), learner, PROMPTS, **PROBE,
+                  split=MismatchSplit())
+    assert m["mismatch/kernels"] == 0.0 and m["mismatch/kernels_max_abs_diff"] == 0.0
+    assert m["mismatch/quantization"] == pytest.approx(m["probe/kl"], rel=1e-12) and m["probe/kl"] > 0
+
+
+def test_parts_add_up_to_probe_kl():
+    learner = make_learner()
+    served = learner_logprobs(quantized_learner(learner, "fp8_per_channel"))
+    engine = ScriptedEngine("fp8_per_channel", lambda: noisy(served, 0.02, seed=1))
+    m = run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+    parts = m["mismatch/quantization"] + m["mismatch/kernels"] + m["mismatch/interaction"]
+    assert m["mismatch/quantization"] > 0 and m["mismatch/kernels"] > 0
+    assert parts == pytest.approx(m["probe/kl"], rel=1e-9, abs=1e-15)
+
+
+def test_unmodelled_scheme_reports_probe_only_and_warns():
+    learner = make_learner()
+    own = learner_logprobs(learner)
+    with pytest.warns(UserWarning, match="not modelled"):
+        m = run_probe(ScriptedEngine("fp8", lambda: own), learner, PROMPTS, **PROBE, split=MismatchSplit())
+    assert "probe/kl" in m and not any(k.startswith("mismatch/") for k in m)
+    assert "mismatch/quantization" not in run_probe(ScriptedEngine(None, lambda: own), learner, PROMPTS, **PROBE)
+
+
+def test_staleness_is_the_previous_probe_rescored():
+    learner = make_learner()
+    split = MismatchSplit(staleness=True)
+    engine = ScriptedEngine(None, lambda: learner_logprobs(learner))
+    first = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    assert "mismatch/staleness" not in first  # nothing to compare with yet
+    same = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    assert same["mismatch/staleness"] == 0.0  # no update between the probes
+    learner.model = perturbed(learner.model, seed=1, scale=0.05)  # an update θ_{k−1} → θ_k
+    moved = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    assert moved["mismatch/staleness"] > 1e-4
+    assert "mismatch/staleness" not in run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+
+
+def test_quantized_learner_scores_the_quantized_copy():
+    """The fused path (quantize inside the learner's jitted forward) = the learner on a quantized model copy."""
+    learner = make_learner()
+    rows, _ = probe_rows(PROMPTS, RESPONSES, 0)
+    fused = quantized_learner(learner, "fp8_per_channel").logprobs(rows["input_ids"], rows["attention_mask"])
+    on_copy = copy.copy(learner)
+    on_copy.model = with_quantized_projections(learner.model, "fp8_per_channel")
+    np.testing.assert_allclose(fused, on_copy.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
+    assert not np.allclose(fused, learner.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
+
+
+def count_logprobs(monkeypatch):
+    """Every `Learner.logprobs` call (its rows' shape, and whether a `scoring_learner` makes it) into a list."""
+    calls, original = [], Learner.logprobs
+
+    def counted(self, input_ids, attention_mask):
+        calls.append((np.shape(input_ids), getattr(self._logprobs, "__name__", "") == "forward_of_state"))
+        return original(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(Learner, "logprobs", counted)
+    return calls
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_per_channel", "fp8"])
+def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
+    """Multihost invariant: a follower, given the driver's broadcast, runs the same learner forwards."""
+    learner = make_learner()
+    split = MismatchSplit(staleness=True)
+    own = learner_logprobs(learner)
+    engine = ScriptedEngine(quantization, lambda: own)
+    calls = count_logprobs(monkeypatch)
+    for _ in range(2):  # the second probe has staleness's forward too
+        sent = []
+
+        def share(tree=None):
+            if tree is not None:
+                sent.append(tree)
+            return sent[-1]
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "fp8": not modelled (tested above)
+            run_probe(engine, learner, PROMPTS, **PROBE, share=share, split=split)
+        driver_calls, calls[:] = list(calls), []
+        follow_probe(learner, share)
+        assert calls == driver_calls
+        calls.clear()
+    assert [q for _, q in driver_calls] == [False] + [True] * (quantization == "fp8_per_channel") + [True]
+
+
+def test_train_keyword_must_be_a_bool():
+    from portable_rl.rl.roles import EngineSide
+
+    with pytest.raises(ConfigError, match="mismatch_split"):
+        EngineSide(engine=None, writer=None, codec=None, task=None, reward_fn=None, cfg=None, seed=0, held_out=[],
+                   greedy=None, probe_ids=[], bucket_mb=None, async_rollouts=False, mismatch_split="yes")
