@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import warnings
@@ -260,6 +261,14 @@ class Learner:
         with self._on_mesh():
             logp = self._logprobs(self.model, batch["input_ids"], batch["attention_mask"])
         return to_host(logp)[:rows]
+
+    def scoring_view(self, wrap) -> "Learner":
+        """A view of this learner (same model, mesh and layout; nothing copied) whose `logprobs` runs
+        `wrap(forward)` instead of its jitted forward `forward(model, input_ids, attention_mask)`: how the
+        mismatch split (rl/mismatch_split.py) scores the probe with, e.g., quantized projections."""
+        view = copy.copy(self)
+        view._logprobs = wrap(self._logprobs)
+        return view
 
     def old_logprobs(self, batch: dict, layouts=None) -> np.ndarray:
         """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the

@@ -49,7 +49,6 @@ rows, and every process runs `extra_forwards` on what it received.
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 
@@ -98,22 +97,20 @@ def _forward_of_state(state, input_ids, attention_mask, *, graphdef, quantizatio
 
 
 def scoring_learner(learner, quantization: str | None = None):
-    """`learner` whose `logprobs` runs its forward through `_forward_of_state`: a shallow copy whose jitted
-    forward (`Learner._logprobs(model, input_ids, attention_mask)`, the one `Learner.logprobs` calls, within
-    its row padding and mesh) is wrapped, quantizing the projections first when `quantization` is set.
+    """`learner` whose `logprobs` runs its forward through `_forward_of_state` (`Learner.scoring_view`: the
+    jitted forward `Learner.logprobs` calls, within its row padding and mesh, wrapped), quantizing the
+    projections first when `quantization` is set.
     Everything else (the forward itself, the mesh, the layout) is the learner's own; with a quantization the
     same logprobs as the learner on `with_quantized_projections` (tests/test_mismatch_split.py), without the
     Python cost of building that copy."""
-    forward = learner._logprobs
+    def wrap(forward):
+        def forward_of_state(model, input_ids, attention_mask):
+            graphdef, state = nnx.split(model)
+            return _forward_of_state(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
+                                     forward=forward)
+        return forward_of_state
 
-    def forward_of_state(model, input_ids, attention_mask):
-        graphdef, state = nnx.split(model)
-        return _forward_of_state(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
-                                 forward=forward)
-
-    scorer = copy.copy(learner)
-    scorer._logprobs = forward_of_state
-    return scorer
+    return learner.scoring_view(wrap)
 
 
 def quantized_learner(learner, quantization: str):
