@@ -16,6 +16,7 @@ arms alternated after one warm-up (compile) call each, median of `--reps`; ratio
 
     python benchmarks/shared_prompts.py [--model checkpoints/smollm2-135m-instruct] [--groups 8]
                                         [--samples 8] [--response-tokens 70] [--reps 2] [--json]
+                                        [--compute-dtype float32]   (the arms agree to float32 rounding)
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def learner(args, cfg, share: bool):
 
     memory = MemoryConfig(attention_impl="auto", pack_sequences=True, share_prompts=share,
                           max_tokens_per_micro_batch=1024, logprob_chunk_tokens=512, remat="full")
-    model, _ = load_hf_model(args.model, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
+    model, _ = load_hf_model(args.model, param_dtype=jnp.float32, compute_dtype=jnp.dtype(args.compute_dtype),
                              attention_impl=memory.attention_impl, remat=memory.remat)
     tx = make_optimizer(learning_rate=1e-5, warmup_steps=0, weight_decay=0.0)
     return Learner(model, nnx.Optimizer(model, tx, wrt=nnx.Param), cfg,
@@ -84,6 +85,8 @@ def main():
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--response-tokens", type=int, default=70)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="float32: the arms must agree to float32 rounding (the equivalence check at full size)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import numpy as np
@@ -100,7 +103,7 @@ def main():
             start = time.perf_counter()
             l.update(l.prepare(batch))
             times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = {name: statistics.median(t) if t else float("nan") for name, t in times.items()}  # --reps 0: check only
     result = {
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"),
         "load_1min": os.getloadavg()[0], "groups": args.groups, "samples": args.samples,
@@ -111,7 +114,12 @@ def main():
         "first_update": {n: {k: updates[n][k] for k in ("train/loss", "train/grad_norm")} for n in arms},
         "seconds": med, "all_seconds": times, "speedup": med["unshared"] / med["shared"],
     }
-    ok = (old_diff < 0.1 and abs(updates["shared"]["train/grad_norm"] / updates["unshared"]["train/grad_norm"] - 1) < 0.02)
+    # float32: the same function up to reduction order; bf16: both arms round activations at different
+    # points (other packings, other blockwise tiles), so only a loose check
+    tol = (1e-3, 1e-3) if args.compute_dtype == "float32" else (1.0, 0.05)
+    grad_rel = abs(updates["shared"]["train/grad_norm"] / updates["unshared"]["train/grad_norm"] - 1)
+    result["first_update_grad_norm_rel_diff"] = grad_rel
+    ok = old_diff < tol[0] and grad_rel < tol[1]
     print(json.dumps(result, indent=None if args.json else 2))
     if not ok:
         raise SystemExit("the two arms disagree: shared prompts changed the update")

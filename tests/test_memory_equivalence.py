@@ -48,7 +48,18 @@ def setup(tmp_path_factory):
     return path, cfg, batch
 
 
+_STEPS = {}
+
+
 def one_step(path, cfg, batch, knobs):
+    """(PreparedBatch, update metrics) of one learner step with `knobs`, computed once per knob set."""
+    key = (str(path), tuple(sorted(knobs.items())))
+    if key not in _STEPS:
+        _STEPS[key] = _one_step(path, cfg, batch, knobs)
+    return _STEPS[key]
+
+
+def _one_step(path, cfg, batch, knobs):
     import jax.numpy as jnp
     from flax import nnx
 
@@ -87,7 +98,7 @@ def test_memory_knobs_give_the_same_step(setup):
     np.testing.assert_allclose(lean_prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # three learners of the default tiny model compiled (~1.5 min on 2 busy cores)
+@pytest.mark.slow  # two more learners of the default tiny model compiled (the first test's two are reused)
 def test_shared_prompts_give_the_same_step(setup):
     """share_prompts (a group's answers share one copy of the prompt) computes the same update as one
     sequence per row, on fewer tokens: with 64-token micro-batches (groups split into units that fit)
