@@ -56,10 +56,11 @@ is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the
 from __future__ import annotations
 
 import gc
-import math
 import os
 import sys
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
                                       named_tensor_pairs)
@@ -154,6 +155,18 @@ def _destroy_parallel_state() -> None:
 
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+def _sampled_and_support(tokens, flat) -> tuple[list[float], list[list[int]]]:
+    """From vLLM's FlatLogprobs (the sampled token and the top-k processed logprobs per position): the
+    sampled tokens' logprobs and, per position, the support (ids with a finite logprob; module doc)."""
+    ids, values = np.asarray(flat.token_ids), np.asarray(flat.logprobs, np.float64)
+    logprobs, support = [], []
+    for tok, lo, hi in zip(tokens, flat.start_indices, flat.end_indices):
+        pos_ids, pos_values = ids[lo:hi], values[lo:hi]
+        logprobs.append(float(pos_values[np.flatnonzero(pos_ids == tok)[0]]))
+        support.append(sorted(set(pos_ids[np.isfinite(pos_values)].tolist())))
+    return logprobs, support
 
 
 @register("vllm")
@@ -253,17 +266,18 @@ class VLLMEngine(EngineAdapter):
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
-                logprobs=num_logprobs, detokenize=False))
+                # flat: per request a few primitive lists, not top_k Logprob objects per token
+                logprobs=num_logprobs, detokenize=False, flat_logprobs=sampling.return_support))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         rollouts = []
         for i, out in enumerate(outputs):  # vLLM returns outputs in input order
             for completion in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(completion.token_ids)
-                logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
                 support = None
                 if sampling.return_support:
-                    support = [sorted(v for v, lp in pos.items() if lp.logprob > -math.inf)
-                               for pos in completion.logprobs]
+                    logprobs, support = _sampled_and_support(tokens, completion.logprobs)
+                else:
+                    logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
                 rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
