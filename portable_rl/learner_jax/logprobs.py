@@ -64,7 +64,7 @@ def _support_mask(targets, support, vocab):
     return mask | (jnp.arange(vocab) == targets[..., None])
 
 
-def _token_logprobs_fwd(logits, targets, temperature, support):
+def _token_logprobs_fwd(logits, targets, temperature, support=None):
     scaled = logits.astype(jnp.float32) / temperature                        # [B, T, V]
     logz = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)                  # [B, T, 1]
     log_probs = scaled - logz                                                # [B, T, V]
