@@ -154,6 +154,23 @@ def test_quantized_learner_scores_the_quantized_copy():
     assert not np.allclose(fused, learner.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
 
 
+def test_async_forwards_in_one_call_equal_the_two_separate_ones():
+    """Async mode runs the quantized forward and staleness's in one call (rows of different widths stacked):
+    each part equals its own separate call."""
+    from portable_rl.rl.mismatch_split import extra_forwards, scoring_learner
+
+    learner = make_learner()
+    rows, _ = probe_rows(PROMPTS, RESPONSES, 0)
+    previous, _ = probe_rows(PROMPTS[:2], [r + [3, 4, 5] for r in RESPONSES[:2]], 0)
+    assert previous["input_ids"].shape[1] != rows["input_ids"].shape[1] or len(previous["input_ids"]) != len(rows["input_ids"])
+    message = dict(rows, mismatch={"quantizer": "fp8_per_channel", "previous_rows": previous})
+    got = extra_forwards(learner, message)
+    want_q = quantized_learner(learner, "fp8_per_channel").logprobs(rows["input_ids"], rows["attention_mask"])
+    want_c = scoring_learner(learner).logprobs(previous["input_ids"], previous["attention_mask"])
+    np.testing.assert_allclose(got["quantized"], want_q, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got["current_on_previous"], want_c, rtol=0, atol=1e-6)
+
+
 def count_logprobs(monkeypatch):
     """Every `Learner.logprobs` call (its rows' shape, and whether a `scoring_learner` makes it) into a list."""
     calls, original = [], Learner.logprobs
@@ -189,7 +206,8 @@ def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
         follow_probe(learner, share)
         assert calls == driver_calls
         calls.clear()
-    assert [q for _, q in driver_calls] == [False] + [True] * (quantization == "fp8_per_channel") + [True]
+    # the probe, then one wrapped call: staleness's forward, and with a modelled quantizer the quantized one too
+    assert [q for _, q in driver_calls] == [False, True]
 
 
 def test_train_keyword_must_be_a_bool():

@@ -53,6 +53,7 @@ import functools
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -118,6 +119,24 @@ def quantized_learner(learner, quantization: str):
     return scoring_learner(learner, quantization)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward", "split"))
+def _quantized_then_current_of_state(state, input_ids, attention_mask, *, graphdef, quantization, forward, split):
+    """Rows [:split] under quantized projections, rows [split:] under the model's own: async mode's two
+    forwards in one XLA program and one dispatch (the state is flattened once)."""
+    quantized = _forward_of_state(state, input_ids[:split], attention_mask[:split], graphdef=graphdef,
+                                  quantization=quantization, forward=forward)
+    current = _forward_of_state(state, input_ids[split:], attention_mask[split:], graphdef=graphdef,
+                                quantization=None, forward=forward)
+    return jnp.concatenate([quantized, current], axis=0)
+
+
+def _stack_rows(a: dict, b: dict) -> dict:
+    """Two {"input_ids", "attention_mask"} row sets as one, right-padded (mask 0) to the longer width."""
+    width = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
+    pad = lambda x: np.pad(np.asarray(x), [(0, 0), (0, width - np.shape(x)[1])])
+    return {k: np.concatenate([pad(a[k]), pad(b[k])]) for k in ("input_ids", "attention_mask")}
+
+
 def extra_forwards(learner, message: dict) -> dict:
     """The split's learner forwards on a probe message (`MismatchSplit.plan` under "mismatch"; none without
     it): {"quantized": [B, T] logprobs of the quantized learner, "current_on_previous": the learner's on the
@@ -126,11 +145,26 @@ def extra_forwards(learner, message: dict) -> dict:
     out = {}
     if plan is None:
         return out
+    rows = plan["previous_rows"]
+    if plan["quantizer"] is not None and rows is not None:  # async: both forwards in one call
+        probe_rows = len(message["input_ids"])
+        both = _stack_rows(message, rows)
+
+        def wrap(forward):
+            def forward_of_state(model, input_ids, attention_mask):
+                graphdef, state = nnx.split(model)
+                return _quantized_then_current_of_state(state, input_ids, attention_mask, graphdef=graphdef,
+                                                        quantization=plan["quantizer"], forward=forward,
+                                                        split=probe_rows)
+            return forward_of_state
+        logp = learner.scoring_view(wrap).logprobs(both["input_ids"], both["attention_mask"])
+        width = lambda x: np.shape(x)[1]
+        return {"quantized": logp[:probe_rows, :width(message["input_ids"])],
+                "current_on_previous": logp[probe_rows:probe_rows + len(rows["input_ids"]), :width(rows["input_ids"])]}
     if plan["quantizer"] is not None:
         out["quantized"] = quantized_learner(learner, plan["quantizer"]).logprobs(
             message["input_ids"], message["attention_mask"])
-    if plan["previous_rows"] is not None:
-        rows = plan["previous_rows"]
+    if rows is not None:
         out["current_on_previous"] = scoring_learner(learner).logprobs(rows["input_ids"], rows["attention_mask"])
     return out
 
