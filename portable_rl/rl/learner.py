@@ -76,6 +76,8 @@ _SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pac
 def _view(batch: dict) -> dict:
     """The per-sequence arrays the layouts move into rows: _VIEW_KEYS, and the sampling support if any."""
     return {k: batch[k] for k in _VIEW_KEYS + ((_SUPPORT,) if _SUPPORT in batch else ())}
+
+
 # policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
 # except these, combined as a max
 _MAX_METRICS = ("ratio_max",)
