@@ -214,16 +214,25 @@ def _prompt_groups(prompt_keys) -> list[list[int]]:
     return list(groups.values())
 
 
+def _shared_tokens(members, lengths, prompt_lengths) -> int:
+    """The prompt tokens a group's members share (its first p−1), 0 when it is not shared (one member,
+    or a one-token prompt)."""
+    shared = int(prompt_lengths[members[0]]) - 1
+    return shared if len(members) > 1 and shared >= 1 else 0
+
+
+def _unit_tokens(shared: int, member_lengths) -> int:
+    """Tokens of one unit: the shared prompt piece, then each member from column `shared` on."""
+    return int(shared + sum(int(n) - shared for n in member_lengths))
+
+
 def shared_prompt_group_tokens(lengths, prompt_lengths, prompt_keys) -> np.ndarray:
     """Tokens of each prompt group laid out as one shared-prompt unit (`shared_prompt_packed`): [groups]."""
     lengths, prompt_lengths = np.asarray(lengths, np.int64), np.asarray(prompt_lengths, np.int64)
     out = []
     for members in _prompt_groups(prompt_keys):
-        shared = prompt_lengths[members[0]] - 1
-        if len(members) == 1 or shared < 1:
-            out.append(int(lengths[members].max()))
-        else:
-            out.append(int(shared + (lengths[members] - shared).sum()))
+        shared = _shared_tokens(members, lengths, prompt_lengths)
+        out.append(_unit_tokens(shared, lengths[members]) if shared else int(lengths[members].max()))
     return np.array(out, np.int64)
 
 
@@ -239,8 +248,8 @@ def shared_prompt_packed(seq, lengths, prompt_lengths, prompt_keys, row_tokens: 
         raise MicroBatchBudgetError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {row_tokens}")
     units = []  # per unit: (prompt piece length, [member index]); prompt piece length 0: one plain sequence
     for members in _prompt_groups(prompt_keys):
-        shared = prompt_lengths[members[0]] - 1
-        if len(members) == 1 or shared < 1:
+        shared = _shared_tokens(members, lengths, prompt_lengths)
+        if not shared:
             units += [(0, [i]) for i in members]
             continue
         members = sorted(members, key=lambda i: -lengths[i])
@@ -253,7 +262,7 @@ def shared_prompt_packed(seq, lengths, prompt_lengths, prompt_keys, row_tokens: 
             unit.append(i)
             used += own
         units.append((shared, unit))
-    sizes = [p + sum(lengths[i] - p for i in m) if p else lengths[m[0]] for p, m in units]
+    sizes = [_unit_tokens(p, lengths[m]) for p, m in units]  # p = 0: the one plain sequence
     unit_row, unit_start, unit_slot, bins = first_fit_decreasing(sizes, row_tokens)
     if unit_slot.size and unit_slot.max() > MAX_SHARED_PROMPT_ID:
         raise ValueError(f"{int(unit_slot.max())} units in one row; at most {MAX_SHARED_PROMPT_ID}")

@@ -43,7 +43,7 @@ class GenerationConfig:
             raise ConfigError(f"n_samples={self.n_samples}: group advantages need at least 2 samples per prompt")
         if self.max_response_tokens < 1:
             raise ConfigError(f"max_response_tokens={self.max_response_tokens} must be >= 1")
-        if self.top_p != 1.0 and self.top_k == -1:
+        if self.top_p != 1.0 and self.top_k == -1:  # the top_k-bound message, before SamplingConfig's
             raise ConfigError(f"top_p={self.top_p} needs top_k >= 1 too (e.g. rl.DapoConfig.top_k = 64): the engine "
                               "returns each token's sampling support, and top_k bounds its size")
         try:
@@ -51,14 +51,18 @@ class GenerationConfig:
         except ValueError as e:
             raise ConfigError(f"rl.DapoConfig: {e}") from None
 
+    @property
+    def truncated(self) -> bool:
+        """True for top-k / top-p sampling: rollouts carry their sampling support."""
+        return self.top_p != 1.0 or self.top_k != -1
+
     def sampling(self, *, seed=None, stop_token_ids=()):
         """The engines.base.SamplingConfig of a training rollout (truncated: with the support returned)."""
         from portable_rl.engines.base import SamplingConfig
 
-        truncated = self.top_p != 1.0 or self.top_k != -1
         return SamplingConfig(temperature=self.temperature, max_tokens=self.max_response_tokens, n=self.n_samples,
                               seed=seed, stop_token_ids=stop_token_ids, top_p=self.top_p, top_k=self.top_k,
-                              return_support=truncated)
+                              return_support=self.truncated)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -128,7 +128,7 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
     shaped = shaped_rewards(cfg, rewards, lengths)
     adv = group_advantages(cfg, shaped)
     supports = None
-    if cfg.generation.top_k != -1 or cfg.generation.top_p != 1.0:  # truncated sampling: the supports
+    if cfg.generation.truncated:  # top-k / top-p: the supports
         if any(r.sampling_support is None for r in rollouts):
             raise ValueError("top_p / top_k sampling but a rollout has no sampling_support: the engine must "
                              "return it (SamplingConfig.return_support)")
