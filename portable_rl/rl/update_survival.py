@@ -39,7 +39,7 @@ Tracked entries: every `channel_stride`-th output channel of each decoder projec
 the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
 those channels; the tracker keeps their previous and starting fp32 values (8 / channel_stride bytes per
 projection parameter, sharded like the params; the starting ones also after a resume). Every process runs
-it: the subset copies, then one jitted function of them.
+it: the subset copies (stacked by shape), then one jitted function of them.
 
 Why: at RL learning rates most Adam steps are smaller than half a bf16 ulp of the weight they move (for
 |w| ≈ 0.5 the bf16 spacing is 2^-8 ≈ 0.004 against lr-sized steps of 1e-5..1e-4), so the served policy can
@@ -84,16 +84,18 @@ _MIN_CHANNEL_SCALE = np.float32(1.0) / np.float32(FP8_MAX * 512)  # vLLM's clamp
 
 
 def served_fp8_per_channel(w):
-    """[in, C] f32 (NNX kernel: output channels are columns) -> the per-channel e4m3 values, as f32."""
+    """[..., in, C] f32 (NNX kernel: output channels are columns; leading axes stack matrices) -> the
+    per-channel e4m3 values, as f32."""
     b = served_bf16(w)
     # vLLM 0.32 (online/fp8.py): scale = max(amax / 448, 1 / (448 * 512)); true division, clamp, cast.
-    scale = jnp.maximum(_true_divide(jnp.max(jnp.abs(b), axis=0, keepdims=True), FP8_MAX), _MIN_CHANNEL_SCALE)
+    scale = jnp.maximum(_true_divide(jnp.max(jnp.abs(b), axis=-2, keepdims=True), FP8_MAX), _MIN_CHANNEL_SCALE)
     q = jnp.clip(_true_divide(b, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)    # [in, C]
     return q.astype(jnp.float32) * scale
 
 
 def _stage_metrics(served, new, old):
-    """(fraction of changed served entries, 1 − ⟨Δ_q, Δ⟩ / ‖Δ‖²), both over all the matrices together."""
+    """(fraction of changed served entries, 1 − ⟨Δ_q, Δ⟩ / ‖Δ‖²), both over all the matrices together
+    (`new`, `old`: lists of [n, in, C] stacks)."""
     changed = total = along = delta_sq = 0.0
     for w_new, w_old in zip(new, old):
         q_new, q_old = served(w_new), served(w_old)
@@ -124,9 +126,13 @@ def _metrics(new, old, first, quantization):
 
 
 def _subset(kernels, stride: int):
-    # Always a copy: the learner's step donates the params' buffers, and with stride 1 a jitted slice may
-    # hand back the input buffer itself.
-    return [jnp.array(k[:, ::stride], jnp.float32, copy=True) for k in kernels]
+    """The tracked channels, stacked by shape: [n, in, C/stride] per distinct kernel shape (SmolLM2's 210
+    projections are 4 stacks), so the jitted metrics are a few large ops (its compile: 17 s for one op per
+    matrix). Always a copy: the learner's step donates the params' buffers."""
+    by_shape: dict[tuple, list] = {}
+    for k in kernels:
+        by_shape.setdefault(tuple(k.shape), []).append(k)
+    return [jnp.stack([jnp.asarray(k[:, ::stride], jnp.float32) for k in group]) for group in by_shape.values()]
 
 
 class UpdateSurvival:
