@@ -1,6 +1,8 @@
-"""Shared pieces of the benchmark scripts: median timing and the random Qwen2 checkpoints they measure."""
+"""Shared pieces of the benchmark scripts: median timing, the child side of interleaved timing, result files
+and the random Qwen2 checkpoints they measure."""
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -15,6 +17,25 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def serve_timed_steps(conn, step) -> None:
+    """Child side of an interleaved timing: for each "step" the parent sends, run `step()` and send back
+    its wall time; any other message ends the loop."""
+    while conn.recv() == "step":
+        start = time.perf_counter()
+        step()
+        conn.send(time.perf_counter() - start)
+
+
+def write_json(out_dir: str, name: str, result: dict) -> str:
+    """Writes (or rewrites) out_dir/name and returns its path; the device checks call it after every part,
+    so a timeout keeps what has finished."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path
 
 
 def add_model_size_args(parser: argparse.ArgumentParser, *, layers: int, hidden: int, intermediate: int,

@@ -38,7 +38,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 GB = 1e9
+
+import bench_common  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- memory probes
@@ -133,7 +136,6 @@ def learner_child(args):
     import numpy as np
     from flax import nnx
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from gpu_check import MODEL_1B, MODEL_TINY, build_model
 
     from portable_rl.learner_jax.logprobs import sequence_logprobs
@@ -428,11 +430,7 @@ def cycles(args, learner, start_engine, learner_limit: float) -> dict:
 
 
 def write_json(out_dir: str, result: dict) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "colocation_check.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    return path
+    return bench_common.write_json(out_dir, "colocation_check.json", result)
 
 
 def _has_vllm() -> bool:

@@ -34,6 +34,10 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_common  # noqa: E402
+
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s
 
 # ~1.0B parameters: 20 layers, d=2048, SwiGLU 5504, 16 q heads / 4 kv heads of 128, vocab 32000, untied.
@@ -245,11 +249,7 @@ def check_quantizer(model, config, device: str, reps: int) -> dict:
 # --------------------------------------------------------------------------------------------- driver
 def write_results(results: dict, out_dir: str) -> str:
     """Writes (or rewrites) out_dir/gpu_check.json; called after every check so a timeout keeps the rest."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    return path
+    return bench_common.write_json(out_dir, "gpu_check.json", results)
 
 
 def run_check(results: dict, name: str, fn, *args) -> None:

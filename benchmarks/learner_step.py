@@ -36,6 +36,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import serve_timed_steps  # noqa: E402
+
 # Checkpoint dims per size (Qwen2, tied embeddings). 100m: 12 layers, d=768, vocab 32000 -> ~100M params.
 SIZES = {
     "tiny": dict(size="tiny", vocab_size=128),
@@ -153,10 +157,7 @@ def side_worker(conn, side: str, ckpt: str, dtype: str, batch: dict, torch_threa
     except Exception as e:  # report instead of hanging the parent
         conn.send(("error", f"{side} side failed: {type(e).__name__}: {e}"))
         return
-    while conn.recv() == "step":
-        start = time.perf_counter()
-        step()
-        conn.send(time.perf_counter() - start)
+    serve_timed_steps(conn, step)
 
 
 def interleaved_medians(conns: dict, reps: int, warmup: int = 1) -> dict:

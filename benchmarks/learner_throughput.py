@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import add_model_size_args, random_qwen2_checkpoint  # noqa: E402
+from bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps  # noqa: E402
 
 SIDES = ("new", "old", "torch")
 GRAD_NORM_RTOL = {"fp32": 1e-3, "bf16": 3e-2}
@@ -207,10 +207,7 @@ def side_worker(conn, side: str, ckpt: str, dtype: str, rollouts: dict, args) ->
 
         conn.send(("error", f"{side}/{dtype} failed: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
         return
-    while conn.recv() == "step":
-        start = time.perf_counter()
-        update()
-        conn.send(time.perf_counter() - start)
+    serve_timed_steps(conn, update)
 
 
 def run_all(arms: list[tuple[str, str]], ckpt: str, rollouts: dict, args) -> dict:
