@@ -153,3 +153,28 @@ def test_every_gin_file_the_repo_names_exists():
     assert len(named) > 10
     missing = sorted((str(src), name) for name, src in named if not (REPO / name).is_file())
     assert not missing, missing
+
+
+def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
+    """gin/eval/smollm2_word_problems.gin must evaluate what the recipe logs as accuracy/heldout: the same
+    problems (task settings and seed), chat template, engine quantization and answer length."""
+    from portable_rl import evaluate as evaluate_module
+
+    def bound(files, bindings, name):
+        gin.clear_config()
+        gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
+        gin_utils.parse_gin(files, bindings)
+        return {k: _resolve(gin.query_parameter(f"{name}.{k}")) for k in ("task", "chat_template", "engine_factory")
+                if _is_bound(f"{name}.{k}")}, gin_utils.query_value("vllm/engines.create_engine.engine_init_kwargs")
+
+    try:
+        recipe, recipe_engine = bound(["gin/recipes/smollm2_arith_fp8.gin"], [f"RUN_DIR = '{tmp_path}'"], "train")
+        recipe_tokens = gin_utils.query_value("train.eval_max_tokens")
+        ev, eval_engine = bound(["gin/eval/smollm2_word_problems.gin"], [f"CHECKPOINT = '{tmp_path}'"], "evaluate")
+        eval_tokens = gin_utils.query_value("evaluate.max_tokens")
+    finally:
+        gin.clear_config()
+    assert ev["task"].eval_examples() == recipe["task"].eval_examples() and len(ev["task"].eval_examples()) == 128
+    assert ev["chat_template"] is recipe["chat_template"] is True
+    assert eval_engine == recipe_engine and eval_tokens == recipe_tokens == 160
