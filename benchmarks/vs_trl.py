@@ -15,7 +15,8 @@ step count N, all read from `gin/recipes/smollm2_arith_fp8.gin` (+ this script's
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
-  (`trl.rewards.get_soft_overlong_punishment`, the recipe's buffer). Per-device batch `B` completions,
+  (`trl.rewards.get_soft_overlong_punishment`) when the recipe has an overlong buffer (it has none now).
+  Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end

@@ -26,7 +26,7 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     s = vs_trl.load_setting(args)   # converts the SmolLM2 GGUF when the checkpoint is missing (seconds)
     # from gin/recipes/smollm2_arith_fp8.gin
     assert (s["prompts_per_step"], s["mini_batch_size"], s["temperature"]) == (8, 4, 0.6)
-    assert (s["learning_rate"], s["warmup_steps"], s["overlong_buffer"]) == (5e-5, 3, 32)
+    assert (s["learning_rate"], s["warmup_steps"], s["overlong_buffer"]) == (5e-5, 3, 0)
     assert s["quantization"] == "fp8_per_channel" and s["chat_template"] is True
     assert s["model_path"].endswith("checkpoints/smollm2-135m-instruct")
     assert (Path(s["model_path"]) / "config.json").exists()
