@@ -165,8 +165,8 @@ def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
         gin_utils.register_configurable(train, name="train")
         gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
         gin_utils.parse_gin(files, bindings)
-        return {k: _resolve(gin.query_parameter(f"{name}.{k}")) for k in ("task", "chat_template", "engine_factory")
-                if _is_bound(f"{name}.{k}")}, gin_utils.query_value("vllm/engines.create_engine.engine_init_kwargs")
+        values = {k: _resolve(gin.query_parameter(f"{name}.{k}")) for k in ("task", "chat_template")}
+        return values, gin_utils.query_value("vllm/engines.create_engine.engine_init_kwargs")
 
     try:
         recipe, recipe_engine = bound(["gin/recipes/smollm2_arith_fp8.gin"], [f"RUN_DIR = '{tmp_path}'"], "train")

@@ -214,7 +214,7 @@ def _prompt_groups(prompt_keys) -> list[list[int]]:
     return list(groups.values())
 
 
-def _shared_tokens(members, lengths, prompt_lengths) -> int:
+def _shared_tokens(members, prompt_lengths) -> int:
     """The prompt tokens a group's members share (its first p−1), 0 when it is not shared (one member,
     or a one-token prompt)."""
     shared = int(prompt_lengths[members[0]]) - 1
@@ -231,7 +231,7 @@ def shared_prompt_group_tokens(lengths, prompt_lengths, prompt_keys) -> np.ndarr
     lengths, prompt_lengths = np.asarray(lengths, np.int64), np.asarray(prompt_lengths, np.int64)
     out = []
     for members in _prompt_groups(prompt_keys):
-        shared = _shared_tokens(members, lengths, prompt_lengths)
+        shared = _shared_tokens(members, prompt_lengths)
         out.append(_unit_tokens(shared, lengths[members]) if shared else int(lengths[members].max()))
     return np.array(out, np.int64)
 
@@ -248,7 +248,7 @@ def shared_prompt_packed(seq, lengths, prompt_lengths, prompt_keys, row_tokens: 
         raise MicroBatchBudgetError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {row_tokens}")
     units = []  # per unit: (prompt piece length, [member index]); prompt piece length 0: one plain sequence
     for members in _prompt_groups(prompt_keys):
-        shared = _shared_tokens(members, lengths, prompt_lengths)
+        shared = _shared_tokens(members, prompt_lengths)
         if not shared:
             units += [(0, [i]) for i in members]
             continue
