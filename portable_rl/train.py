@@ -106,10 +106,10 @@ def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correc
 
     survival = None
     if update_survival_stride:  # its reference is the starting checkpoint, taken before a resume restores
-        from portable_rl.rl.update_survival import UpdateSurvival
+        from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
 
         survival = UpdateSurvival(model_config, channel_stride=update_survival_stride)
-        survival.reference(model)
+        survival.reference(learner_weights(model, optimizer))
     ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
     start_step = 0
     if ckpts.latest_step() is not None:
@@ -160,6 +160,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.rl.preemption import StopRequest
     from portable_rl.rl.roles import EngineSide, FollowerSide
     from portable_rl.rl.rollout import check_nonfinite_fraction
+    from portable_rl.rl.update_survival import learner_weights
 
     run = setup_run(run_dir=run_dir, model_path=model_path, task=task, algorithm=algorithm,
                     optimizer_factory=optimizer_factory, correction=correction, eval_size=eval_size,
@@ -197,8 +198,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         rows = []
         try:
             t_sync = time.perf_counter()
-            if survival:
-                survival.measure(model)  # the weights of the first push: the reference of the next one
+            if survival:  # the weights of the first push: the reference of the next one
+                survival.measure(learner_weights(model, optimizer))
             if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
                 side.push(model, model_config)
             else:
@@ -228,7 +229,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 side.push(model, model_config)
                 t4 = time.perf_counter()
                 if survival:  # of the weights just pushed; outside time/sync and time/wait_rollouts
-                    m.update(survival.measure(model))
+                    m.update(survival.measure(learner_weights(model, optimizer)))
                     m["time/update_survival"] = time.perf_counter() - t4
                 timeshare.generate_phase()
                 if probe_prompts:

@@ -142,3 +142,26 @@ def test_a_resumed_tracker_reports_what_an_uninterrupted_one_does():
     assert resumed.measure(later) == {}    # the resume push: nothing to compare with yet
     assert resumed.measure(latest) == want
     assert want["sync/cumulative_update_lost_frac"] != want["sync/update_lost_frac"]  # W_0 is not the last push
+
+
+def test_bf16_params_are_measured_through_the_optimizers_masters():
+    """bf16 params with fp32 masters (optim.with_master_weights): the params are already rounded, so W is the
+    masters; read from the params, a sub-ulp update would look delivered (Δ = Δ_q) when none of it is."""
+    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
+    from portable_rl.rl.update_survival import learner_weights
+
+    model = Transformer(CONFIG, param_dtype=jnp.bfloat16, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, with_master_weights(make_optimizer(learning_rate=1e-7, warmup_steps=0,
+                                                                        weight_decay=0.0)), wrt=nnx.Param)
+    assert learner_weights(model, optimizer) is optimizer.opt_state.master
+    plain = Transformer(CONFIG, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert learner_weights(plain, nnx.Optimizer(plain, make_optimizer(learning_rate=1e-6), wrt=nnx.Param)) is plain
+
+    tracker, params_only = UpdateSurvival(CONFIG, None, channel_stride=1), UpdateSurvival(CONFIG, None, channel_stride=1)
+    tracker.measure(learner_weights(model, optimizer))
+    params_only.measure(model)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    optimizer.update(model, grads)  # Adam's first step moves every weight by ~lr: far below half a bf16 ulp
+    got, wrong = tracker.measure(learner_weights(model, optimizer)), params_only.measure(model)
+    assert got["sync/bf16_changed_frac"] < 0.05 and got["sync/update_lost_frac"] > 0.9
+    assert wrong["sync/update_lost_frac"] == 0.0  # Δ = 0 on the params: the misreading the masters avoid

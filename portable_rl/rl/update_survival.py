@@ -35,6 +35,9 @@ bf16 engine the same numbers): what the push's rounding loses before any quantiz
 or blockwise FP8, fake quantization) get the bf16 stage only: their scales span fused or tiled groups that
 this tracker does not model.
 
+W is what the optimizer steps: the model's params, or, with bf16 params and fp32 masters
+(`optim.with_master_weights`), the masters (`learner_weights`); the bf16 params are already Q's first stage.
+
 Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down;
 the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
 those channels; the tracker keeps their previous and starting fp32 values (8 / channel_stride bytes per
@@ -57,8 +60,16 @@ import numpy as np
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
 from portable_rl.engines.quantize import FP8_MAX, is_quantized_projection
+from portable_rl.learner_jax.optim import MasterWeightsState
 
 TRACKED_SCHEMES = (None, "fp8_per_channel")
+
+
+def learner_weights(model, optimizer=None):
+    """W of the module doc: the optimizer's full-precision masters when it keeps them (bf16 params,
+    `optim.with_master_weights`), else the model. Either is read by NNX path (`get_param`)."""
+    state = getattr(optimizer, "opt_state", None)
+    return state.master if isinstance(state, MasterWeightsState) else model
 
 
 def projection_paths(model_config) -> list[tuple]:
@@ -136,9 +147,10 @@ def _subset(kernels, stride: int):
 
 
 class UpdateSurvival:
-    """`measure(model)` at each push: {} the first time, then the metrics of the module doc.
+    """`measure(weights)` at each push: {} the first time, then the metrics of the module doc. `weights` is
+    `learner_weights(model, optimizer)` (or the model itself when the params are what the optimizer steps).
 
-    `reference(model)` sets W_0 of the cumulative metric; train.py calls it on the starting checkpoint
+    `reference(weights)` sets W_0 of the cumulative metric; train.py calls it on the starting checkpoint
     before a resume restores the run's weights, so a resumed run reports what an uninterrupted one does.
     Without it W_0 is the first measured push. `serving(quantization)` names the engine's scheme once the
     engine has started (before it: None, a bf16 engine)."""
@@ -159,14 +171,14 @@ class UpdateSurvival:
                      f"[train] sync/quantized_*: quantization {quantization!r} is not modelled "
                      f"(tracked: {', '.join(str(s) for s in TRACKED_SCHEMES)}); the metrics are its bf16 stage")
 
-    def _tracked(self, model):
-        return _subset([get_param(model, p)[...] for p in self.paths], self.stride)
+    def _tracked(self, weights):
+        return _subset([get_param(weights, p)[...] for p in self.paths], self.stride)
 
-    def reference(self, model) -> None:
-        self._first = self._tracked(model)
+    def reference(self, weights) -> None:
+        self._first = self._tracked(weights)
 
-    def measure(self, model) -> dict[str, float]:
-        current = self._tracked(model)
+    def measure(self, weights) -> dict[str, float]:
+        current = self._tracked(weights)
         previous, self._previous = self._previous, current
         if self._first is None:
             self._first = current
