@@ -1,22 +1,30 @@
 """Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
 
-    nice -n 19 python benchmarks/vs_trl.py --steps 3 --eval_size 16 [--skip_ours | --skip_trl]
+    nice -n 19 python benchmarks/vs_trl.py --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
 
 One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
 start from the same HF checkpoint (`MODEL_PATH`, SmolLM2-135M-Instruct from `convert.convert_gguf`) and
 train on the same word problems (`tasks.WordProblemsTask` with the recipe's settings; step k uses
 `task.train_batch(k, 0, P)`, in order), through the same chat template (SmolLM2's, via the tokenizer;
 checked token for token below), with the recipe's G, P, answer length L, temperature, AdamW settings and
-step count N, all read from `gin/recipes/smollm2_arith_fp8.gin` (+ this script's overrides):
+step count N, all read from `gin/recipes/smollm2_arith_fp8.gin` (+ this script's overrides). Each system
+runs at its best setting on this CPU (best vs best):
 
-* **ours**: `python -m portable_rl.train --gin_file=gin/recipes/smollm2_arith_fp8.gin` (vLLM-CPU
-  `fp8_per_channel` rollouts, token TIS C = 2, DAPO with dynamic sampling, fp32 JAX learner), with
-  `TRAIN_STEPS = N`, `EVAL_EVERY = 0` (no held-out eval inside the timed steps), its own run directory.
+* **ours**: `python -m portable_rl.train --gin_file=gin/recipes/smollm2_arith_fp8.gin` (DAPO with dynamic
+  sampling, token TIS C = 2, shared prompts, the recipe's memory knobs), with `TRAIN_STEPS = N`,
+  `EVAL_EVERY = 0` (no held-out eval inside the timed steps), its own run directory, and
+  - rollouts (`--ours_rollouts`): `unquantized` (default: `QUANTIZATION = None`; the vLLM-CPU engine picks
+    float32 math on a CPU without bf16 dot products, bf16 where it has them: vllm_adapter.cpu_engine_dtype),
+    or `fp8` (the recipe's `fp8_per_channel`: on a CPU, FP8 is emulated, W8A8 with bf16 activations, slower
+    than unquantized; it is there for the TIS experiment, not for speed);
+  - learner (`--ours_learner`): `fp32` (default: float32 math on bf16 params, which are the weights the
+    engine serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math).
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
   (`trl.rewards.get_soft_overlong_punishment`) when the recipe has an overlong buffer (it has none now).
-  Per-device batch `B` completions,
+  Model and math in float32 (`bf16=False`: TRL's default bf16 autocast is several times slower on a CPU
+  without bf16 dot products). Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
@@ -31,24 +39,25 @@ step count N, all read from `gin/recipes/smollm2_arith_fp8.gin` (+ this script's
 
 What differs (TRL cannot run the same setting; the nearest is run):
 
-* **Rollouts.** Ours: vLLM-CPU `fp8_per_channel`. TRL: transformers `generate` of the fp32 policy (and
-  with `--trl_generation vllm` it would be bf16: TRL's colocated vLLM passes no quantization option
-  except for bitsandbytes models).
-* **Learner precision.** Both fp32 (ours: `compute_dtype='float32'`, f32 params; TRL: the model loaded
-  in float32 and `bf16=False`; TRL's default `bf16=True` would be autocast bf16, not ours' setting).
+* **Rollouts.** Ours: vLLM-CPU (unquantized, or `fp8_per_channel`). TRL: transformers `generate` of its
+  fp32 policy (with `--trl_generation vllm` it would be bf16: TRL's colocated vLLM passes no quantization
+  option except for bitsandbytes models).
+* **Weights served.** Ours pushes bf16 weights to its engine (the learner scores those same bf16 weights);
+  TRL samples from its fp32 weights.
 * **Dynamic sampling.** Ours drops groups whose rewards are all equal (one generation batch, so a step
   trains on 0..P groups and skips the learner when none is left); TRL's GRPOTrainer has no dynamic
-  sampling: every group is trained on (zero-advantage groups add compute and no gradient).
+  sampling: every group is trained on (zero-advantage groups add compute and no gradient, but count in
+  TRL's token-mean denominator).
 * **Correction.** Ours: token TIS C = 2 against recomputed old logprobs; TRL: none (its sequence mask
   C = 3 needs vLLM logprobs).
-* **Learner memory knobs.** Ours recomputes activations (remat 'full', 1024-token micro-batches, 512-token
-  head chunks: the recipe's choice for the shared 24 GB box; ~1.3x slower steps); TRL runs its defaults
-  with B completions per forward/backward.
+* **Learner layout.** Ours: the recipe's memory knobs (packed rows, shared prompts, remat 'full',
+  1024-token micro-batches, 512-token head chunks); TRL runs its defaults with B completions per
+  forward/backward.
 
-Held-out accuracy, the same way for both: after training, one bf16 vLLM-CPU engine (no quantization,
-no chunked prefill) answers the task's first `--eval_size` held-out problems greedily with at most L
-tokens, scored by the task's reward (`final_number`), for the starting checkpoint, ours' last orbax
-checkpoint (pushed into the engine as during training) and TRL's saved weights (pushed the same way).
+Held-out accuracy, the same way for both: after training, one unquantized vLLM-CPU engine (no chunked
+prefill) answers the task's first `--eval_size` held-out problems greedily with at most L tokens, scored
+by the task's reward (`final_number`), for the starting checkpoint, ours' last orbax checkpoint (pushed
+into the engine as during training) and TRL's saved weights (pushed the same way, rounded to bf16).
 
 Output: one JSON line per system (`{"system": ...}`), then `{"summary": ...}` with
 `step_time_ratio_ours_over_trl` (< 1: ours is faster) on the mean of steps 2..N (step 1 includes JAX
@@ -79,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3, help="RL steps N for both systems")
     p.add_argument("--eval_size", type=int, default=16, help="held-out problems scored greedily after training")
+    p.add_argument("--ours_rollouts", choices=("unquantized", "fp8"), default="unquantized",
+                   help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
+    p.add_argument("--ours_learner", choices=("fp32", "recipe"), default="fp32",
+                   help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--out_dir", default="runs/vs_trl", help="run directories and results.jsonl (wiped per system)")
@@ -114,6 +127,14 @@ def gin_bindings(args) -> list[str]:
         flags.append(f"--gin.MAX_RESPONSE_TOKENS={args.max_tokens}")
     if args.mini_batch_size is not None:
         flags.append(f"--gin.rl.DapoConfig.mini_batch_size={args.mini_batch_size}")
+    return flags
+
+
+def ours_bindings(args) -> list[str]:
+    """Ours' best setting on this CPU (module doc); only ours gets these."""
+    flags = [] if args.ours_rollouts == "fp8" else ["--gin.QUANTIZATION=None"]
+    if args.ours_learner == "fp32":
+        flags += ["--gin.train.param_dtype='bfloat16'", "--gin.train.compute_dtype='float32'"]
     return flags
 
 
@@ -179,7 +200,7 @@ def run_ours(args, out: Path, quantization) -> dict:
         import shutil
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
-           f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False"]
+           f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False", *ours_bindings(args)]
     wall = run_logged(cmd, out / "ours.log", "ours")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r["step"] >= 1]
@@ -188,7 +209,9 @@ def run_ours(args, out: Path, quantization) -> dict:
             "train_reward_mean": [r["reward/mean"] for r in steps],
             "kept_groups": [r.get("dynamic_sampling/kept_groups") for r in steps],
             "heldout_step0_fp8_engine": rows[0].get("accuracy/heldout"),
-            "rollouts": f"vLLM-CPU {quantization or 'bf16'}", "learner": "JAX fp32", "correction": "token TIS C=2"}
+            "rollouts": f"vLLM-CPU {quantization or 'unquantized'}",
+            "learner": ("JAX, fp32 math on bf16 params (fp32 masters)" if args.ours_learner == "fp32"
+                        else "JAX, the recipe's bf16 math"), "correction": "token TIS C=2"}
 
 
 # ------------------------------------------------------------------------------------------------ TRL
@@ -353,7 +376,7 @@ def main(argv=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     if not args.skip_ours:
-        results["ours"] = run_ours(args, out, setting["quantization"])
+        results["ours"] = run_ours(args, out, setting["quantization"] if args.ours_rollouts == "fp8" else None)
     if not args.skip_trl:
         results["trl"] = run_trl(list(sys.argv[1:] if argv is None else argv), out)
     acc = evaluate_policies(setting, out / "ours" if "ours" in results else None,
