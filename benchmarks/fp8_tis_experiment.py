@@ -328,6 +328,28 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def runs_table(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int) -> str:
+    """One row per finished run: its held-out evaluations, mean train reward, mean `tis/kl`, answer tokens and
+    wall time (sum of time/step, evaluations included)."""
+    evals = sorted({s for arm in arms for k in seeds if is_finished(out / arm / f"seed{k}", steps)
+                    for s in series(read_rows(out / arm / f"seed{k}"), "accuracy/heldout") if s <= steps})
+    lines = ["| arm | seed | " + " | ".join(f"held-out @{s}" for s in evals)
+             + " | train reward (mean) | `tis/kl` (mean) | answer tokens (first 5 / last 5 steps) | run time |",
+             "|---|---|" + "---|" * len(evals) + "---|---|---|---|"]
+    for arm in arms:
+        for k in seeds:
+            if not is_finished(out / arm / f"seed{k}", steps):
+                continue
+            rows = [r for r in read_rows(out / arm / f"seed{k}") if r["step"] <= steps]
+            heldout, lengths = series(rows, "accuracy/heldout"), series(rows, "response_length/mean")
+            cells = [f"{heldout[s] * 100:.1f} %" if s in heldout else "" for s in evals]
+            first, last = _mean(v for s, v in lengths.items() if s <= 5), _mean(v for s, v in lengths.items() if s > steps - 5)
+            lines.append(f"| {setting.arms[arm][2]} | {k} | " + " | ".join(cells)
+                         + f" | {_mean(series(rows, 'reward/mean').values()):.3f} | {_mean(series(rows, 'tis/kl').values()):.4f}"
+                         + f" | {first:.0f} / {last:.0f} | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
+    return "\n".join(lines)
+
+
 def _band(ax, setting: Setting, out: Path, arm: str, seeds: list[int], steps: int, key: str, smooth: int) -> None:
     """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band."""
     runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds if is_finished(out / arm / f"seed{k}", steps)]
@@ -543,6 +565,8 @@ def main(argv=None):
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary))
+    print()
+    print(runs_table(setting, out, arms, args.seeds, args.steps))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
 
 
