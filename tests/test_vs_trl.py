@@ -3,6 +3,7 @@ end with a one-line error. The benchmark itself (two trainings on SmolLM2) takes
 box, far over a test's budget: its numbers are in docs/benchmarks.md ("Ours vs TRL GRPOTrainer")."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import gin
@@ -45,11 +46,28 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     (["--eval_size", "-1"], "--eval_size=-1 must be >= 1"),
     (["--n_samples", "0"], "--n_samples=0 must be >= 1"),
     (["--skip_ours", "--skip_trl"], "drop one"),
+    (["--skip_ours", "--reuse_ours"], "drop one"),
 ])
 def test_bad_flags_end_with_one_line(vs_trl, argv, fix):
     with pytest.raises(SystemExit) as e:
         vs_trl.parse_args(argv)
     assert fix in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reuse_ours_reads_the_first_n_steps_and_needs_their_checkpoint(vs_trl, tmp_path):
+    run = tmp_path / "ours"
+    (run / "checkpoints" / "2").mkdir(parents=True)
+    rows = [{"step": 0, "accuracy/heldout": 0.25}] + [
+        {"step": k, "time/step": 10.0 * k, "time/generate": 1.0, "reward/mean": 0.5,
+         "dynamic_sampling/kept_groups": 2} for k in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours", "--steps", "2"]), tmp_path, None)
+    assert r["step_seconds"] == [10.0, 20.0] and r["wall_s"] is None and r["heldout_step0_fp8_engine"] == 0.25
+    with pytest.raises(SystemExit, match="a checkpoint at 3") as e:  # 3 steps logged, no checkpoint at 3
+        vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours", "--steps", "3"]), tmp_path, None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="run without --reuse_ours"):
+        vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours"]), tmp_path / "elsewhere", None)
 
 
 def test_prompts_not_a_multiple_of_the_mini_batch_name_the_fix(vs_trl):
