@@ -1,7 +1,7 @@
 """Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
 
     nice -n 19 python benchmarks/vs_trl.py --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
-        [--reuse_ours]   # ours' finished run in OUT_DIR/ours is read, not rerun (TRL and the evaluation run)
+        [--reuse_ours] [--reuse_trl]   # a finished (or, for TRL, cut) run in OUT_DIR is read, not rerun
 
 One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
 start from the same HF checkpoint (`MODEL_PATH`, SmolLM2-135M-Instruct from `convert.convert_gguf`) and
@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
     p.add_argument("--ours_learner", choices=("fp32", "recipe"), default="fp32",
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
+    p.add_argument("--reuse_trl", action="store_true",
+                   help="read TRL's run in OUT_DIR/trl (>= --steps lines in steps.jsonl, its weights at --steps: "
+                        "final/ or the step<N>/ snapshot) instead of rerunning it; a cut run compares at a snapshot")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -120,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
     if args.skip_ours and args.reuse_ours:
         raise SystemExit("error: --reuse_ours reads ours' run and --skip_ours leaves it out; drop one")
+    if args.skip_trl and args.reuse_trl:
+        raise SystemExit("error: --reuse_trl reads TRL's run and --skip_trl leaves it out; drop one")
     return args
 
 
@@ -237,7 +242,29 @@ def run_trl(argv: list[str], out: Path) -> dict:
     """Runs TRL in a child process (its colocated vLLM sets torch.distributed state and env vars)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", "trl", *argv]
     wall = run_logged(cmd, out / "trl.log", "TRL")
-    return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall}
+    return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall,
+            "weights_dir": str(out / "trl" / "final")}
+
+
+def reuse_trl(args, out: Path) -> dict:
+    """TRL's earlier run in OUT_DIR/trl, finished or cut: its first N step times and its weights at step N."""
+    run_dir = out / "trl"
+    steps_file = run_dir / "steps.jsonl"
+    seconds = [json.loads(line)["seconds"] for line in steps_file.read_text().splitlines()] if steps_file.exists() else []
+    finished = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else None
+    weights = run_dir / f"step{args.steps}"
+    if not weights.is_dir() and finished is not None and len(seconds) == args.steps:
+        weights = run_dir / "final"
+    if len(seconds) < args.steps or not weights.is_dir():
+        raise SystemExit(f"error: {run_dir} has {len(seconds)} timed steps and no weights at step {args.steps} "
+                         f"(final/ or step{args.steps}/); set --steps to a snapshot step, or run TRL again")
+    result = {"system": "trl", "run_dir": str(run_dir), **step_stats(seconds[:args.steps]), "wall_s": None,
+              "weights_dir": str(weights), "rollouts": "transformers generate (fp32)", "learner": "torch fp32",
+              "correction": "none", "reused": "finished run" if finished else "cut run"}
+    if finished is not None:  # a finished run also logged its rewards and settings
+        result.update({k: v for k, v in finished.items() if k not in result or k in ("rollouts", "correction")})
+        result["train_reward_mean"] = finished["train_reward_mean"][:args.steps]
+    return result
 
 
 def trl_child(args, setting: dict, out: Path) -> None:
@@ -342,7 +369,7 @@ def trl_child(args, setting: dict, out: Path) -> None:
 # ------------------------------------------------------------------------------------------- held out
 
 
-def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None, eval_size: int,
+def evaluate_policies(setting: dict, ours_dir: Path | None, trl_weights: Path | None, eval_size: int,
                       steps: int) -> dict:
     """Greedy held-out accuracy of the start, ours and TRL, in one bf16 vLLM-CPU engine."""
     import jax.numpy as jnp
@@ -380,8 +407,8 @@ def evaluate_policies(setting: dict, ours_dir: Path | None, trl_dir: Path | None
             ckpts.close()
             push_weights(engine, model, model_config)
             score("ours")
-        if trl_dir is not None:
-            state = read_checkpoint_tensors(str(trl_dir / "final"))  # every (name, tensor) of its safetensors
+        if trl_weights is not None:
+            state = read_checkpoint_tensors(str(trl_weights))  # every (name, tensor) of its safetensors
             engine.update_weights((k, v.to(torch.bfloat16)) for k, v in state)
             score("trl")
     finally:
@@ -399,16 +426,18 @@ def main(argv=None) -> list[dict]:
     if args._phase == "trl":
         trl_child(args, setting, out)
         return []
-    if not args.skip_trl and importlib.util.find_spec("trl") is None:  # before ours' minutes of training
+    if not (args.skip_trl or args.reuse_trl) and importlib.util.find_spec("trl") is None:  # before ours' minutes of training
         raise SystemExit("error: TRL is not installed; `pip install trl` (1.16.0 was measured) or pass --skip_trl")
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     if not args.skip_ours:
         results["ours"] = run_ours(args, out, setting["quantization"] if args.ours_rollouts == "fp8" else None)
     if not args.skip_trl:
-        results["trl"] = run_trl(list(sys.argv[1:] if argv is None else argv), out)
+        results["trl"] = (reuse_trl(args, out) if args.reuse_trl
+                          else run_trl(list(sys.argv[1:] if argv is None else argv), out))
     acc = evaluate_policies(setting, out / "ours" if "ours" in results else None,
-                            out / "trl" if "trl" in results else None, args.eval_size, args.steps)
+                            Path(results["trl"]["weights_dir"]) if "trl" in results else None, args.eval_size,
+                            args.steps)
     shared = {k: v for k, v in setting.items() if k != "task"}
     lines = []
     for name, r in results.items():

@@ -47,6 +47,7 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     (["--n_samples", "0"], "--n_samples=0 must be >= 1"),
     (["--skip_ours", "--skip_trl"], "drop one"),
     (["--skip_ours", "--reuse_ours"], "drop one"),
+    (["--skip_trl", "--reuse_trl"], "drop one"),
 ])
 def test_bad_flags_end_with_one_line(vs_trl, argv, fix):
     with pytest.raises(SystemExit) as e:
@@ -68,6 +69,24 @@ def test_reuse_ours_reads_the_first_n_steps_and_needs_their_checkpoint(vs_trl, t
     assert "\n" not in str(e.value)
     with pytest.raises(SystemExit, match="run without --reuse_ours"):
         vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours"]), tmp_path / "elsewhere", None)
+
+
+def test_reuse_trl_compares_a_cut_run_at_its_snapshot(vs_trl, tmp_path):
+    run = tmp_path / "trl"
+    (run / "step5").mkdir(parents=True)
+    (run / "steps.jsonl").write_text("".join(json.dumps({"step": k, "seconds": 100.0 + k}) + "\n" for k in range(1, 8)))
+    r = vs_trl.reuse_trl(vs_trl.parse_args(["--reuse_trl", "--steps", "5"]), tmp_path)
+    assert r["step_seconds"] == [101.0, 102.0, 103.0, 104.0, 105.0] and r["reused"] == "cut run"
+    assert r["weights_dir"] == str(run / "step5") and r["mean_step_s_after_first"] == 103.5
+    with pytest.raises(SystemExit, match="no weights at step 7") as e:  # timed, but cut before final/
+        vs_trl.reuse_trl(vs_trl.parse_args(["--reuse_trl", "--steps", "7"]), tmp_path)
+    assert "\n" not in str(e.value)
+    # a finished 7-step run: final/ is the weights at step 7, its logged rewards come along
+    (run / "final").mkdir()
+    (run / "result.json").write_text(json.dumps({"train_reward_mean": [0.1] * 7, "per_device_batch": 8}))
+    r = vs_trl.reuse_trl(vs_trl.parse_args(["--reuse_trl", "--steps", "7"]), tmp_path)
+    assert r["weights_dir"] == str(run / "final") and r["train_reward_mean"] == [0.1] * 7
+    assert r["per_device_batch"] == 8 and r["reused"] == "finished run"
 
 
 def test_prompts_not_a_multiple_of_the_mini_batch_name_the_fix(vs_trl):
