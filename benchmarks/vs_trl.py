@@ -229,7 +229,7 @@ def run_ours(args, out: Path, quantization) -> dict:
             "generate_s": [round(r["time/generate"], 2) for r in steps],
             "train_reward_mean": [r["reward/mean"] for r in steps],
             "kept_groups": [r.get("dynamic_sampling/kept_groups") for r in steps],
-            "heldout_step0_fp8_engine": rows[0].get("accuracy/heldout"),
+            "heldout_step0_own_engine": rows[0].get("accuracy/heldout"),  # in-run, step 0 only
             "rollouts": f"vLLM-CPU {quantization or 'unquantized'}",
             "learner": ("JAX, fp32 math on bf16 params (fp32 masters)" if args.ours_learner == "fp32"
                         else "JAX, the recipe's bf16 math"), "correction": "token TIS C=2"}

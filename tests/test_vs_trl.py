@@ -63,7 +63,7 @@ def test_reuse_ours_reads_the_first_n_steps_and_needs_their_checkpoint(vs_trl, t
          "dynamic_sampling/kept_groups": 2} for k in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours", "--steps", "2"]), tmp_path, None)
-    assert r["step_seconds"] == [10.0, 20.0] and r["wall_s"] is None and r["heldout_step0_fp8_engine"] == 0.25
+    assert r["step_seconds"] == [10.0, 20.0] and r["wall_s"] is None and r["heldout_step0_own_engine"] == 0.25
     with pytest.raises(SystemExit, match="a checkpoint at 3") as e:  # 3 steps logged, no checkpoint at 3
         vs_trl.run_ours(vs_trl.parse_args(["--reuse_ours", "--steps", "3"]), tmp_path, None)
     assert "\n" not in str(e.value)
