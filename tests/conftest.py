@@ -2,7 +2,7 @@
 
 Two workers (pytest-xdist, the README's `-n 2 --dist loadgroup`): each test file is one group, run whole on
 one worker, so a module-scoped fixture (an engine, a warm start, the multi-process launches) is built once;
-the files that start a local Ray cluster share one group; the longest files go first (`FIRST`), so the
+the files that start a local Ray cluster share one group; files named in `FIRST` go first (none now), so the
 session does not end on one of them running alone. Without xdist only that order applies.
 
 One persistent XLA compilation cache for the whole session: this process and every CLI subprocess the tests
