@@ -343,9 +343,10 @@ def runs_table(setting: Setting, out: Path, arms: list[str], seeds: list[int], s
             rows = [r for r in read_rows(out / arm / f"seed{k}") if r["step"] <= steps]
             heldout, lengths = series(rows, "accuracy/heldout"), series(rows, "response_length/mean")
             cells = [f"{heldout[s] * 100:.1f} %" if s in heldout else "" for s in evals]
-            first, last = _mean(v for s, v in lengths.items() if s <= 5), _mean(v for s, v in lengths.items() if s > steps - 5)
-            lines.append(f"| {setting.arms[arm][2]} | {k} | " + " | ".join(cells)
-                         + f" | {_mean(series(rows, 'reward/mean').values()):.3f} | {_mean(series(rows, 'tis/kl').values()):.4f}"
+            first = _mean(v for s, v in lengths.items() if s <= 5)
+            last = _mean(v for s, v in lengths.items() if s > steps - 5)
+            reward, kl = _mean(series(rows, "reward/mean").values()), _mean(series(rows, "tis/kl").values())
+            lines.append(f"| {setting.arms[arm][2]} | {k} | " + " | ".join(cells) + f" | {reward:.3f} | {kl:.4f}"
                          + f" | {first:.0f} / {last:.0f} | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
     return "\n".join(lines)
 

