@@ -1,9 +1,10 @@
 """Test-session settings.
 
-Two workers (pytest-xdist, the README's `-n 2 --dist loadgroup`): each test file is one group, run whole on
-one worker, so a module-scoped fixture (an engine, a warm start, the multi-process launches) is built once;
-the files that start a local Ray cluster share one group; files named in `FIRST` go first (none now), so the
-session does not end on one of them running alone. Without xdist only that order applies.
+Two workers (pytest-xdist, the README's `-n 2 --dist loadfile`): each test file is one work unit, run whole
+on one worker, so a module-scoped fixture (an engine, a warm start, the multi-process launches) is built
+once; the files that start a local Ray cluster share one unit (portable_rl/testing/xdist_files.py says why
+this is not xdist's `loadgroup`). Units go out slowest first (`SLOWEST_FIRST`), so the session does not end
+with one long file running alone; without xdist that order applies too.
 
 One persistent XLA compilation cache for the whole session: this process and every CLI subprocess the tests
 start (they inherit the environment) share it, so a program several tests compile (the default run's learner
@@ -18,9 +19,12 @@ import tempfile
 
 import pytest
 
-# Files to start first, in this order (empty: the measured 26-min run used pytest's order); the rest keep it.
-FIRST = ()
-# Files that call ray.init: one Ray cluster at a time.
+# Files by their time in one process on a 2-core Zen 3 box, 2026-12-02 (docs/benchmarks.md "Test suite
+# time"; 248 s down to 76 s); every other file takes under a minute and keeps pytest's order after these.
+SLOWEST_FIRST = ("test_smollm2_recipe.py", "test_train_async_faults.py", "test_multihost.py",
+                 "test_benchmarks_smoke.py", "test_bad_input.py", "test_train_e2e.py", "test_engines_ray.py",
+                 "test_smollm2.py", "test_attention.py", "test_multihost_launch.py")
+# Files that call ray.init: one Ray cluster at a time, so one work unit.
 RAY_FILES = ("test_engines_ray.py", "test_engines_contract.py")
 
 _OWN_CACHE = None
@@ -37,8 +41,23 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: pytest's order otherwise
-    for item in items:
+    # The Ray files sit next to each other, the first where the first of them was: one unit, one place.
+    first_ray = min((i for i, item in enumerate(items) if item.path.name in RAY_FILES), default=0)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+
+    def position(indexed_item):
+        index, item = indexed_item
         name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
+        if name in RAY_FILES:
+            return rank.get(RAY_FILES[0], len(rank)), first_ray, RAY_FILES.index(name), index
+        return rank.get(name, len(rank)), index, 0, 0
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=position)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # any other --dist: xdist's own scheduler
+    from portable_rl.testing.xdist_files import file_scheduler
+    return file_scheduler({name: "ray" for name in RAY_FILES})(config, log)
