@@ -169,12 +169,13 @@ def load_setting(args) -> dict:
 
     cfg = q("train.algorithm")           # the configured DapoConfig
     setting = {
-        "model_path": str(REPO / q("train.model_path")), "task": q("train.task"), "prompts_per_step": cfg.prompt_batch_size, "n_samples": cfg.n_samples,
-        "mini_batch_size": cfg.mini_batch_size, "max_tokens": cfg.max_response_tokens,
-        "temperature": cfg.temperature, "overlong_buffer": cfg.overlong_buffer,
+        "model_path": str(REPO / q("train.model_path")), "task": q("train.task"),
+        "prompts_per_step": cfg.prompt_batch_size, "n_samples": cfg.n_samples, "mini_batch_size": cfg.mini_batch_size,
+        "max_tokens": cfg.max_response_tokens, "temperature": cfg.temperature, "overlong_buffer": cfg.overlong_buffer,
         "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
-        "learning_rate": q("optim.make_optimizer.learning_rate"), "warmup_steps": q("optim.make_optimizer.warmup_steps"),
-        "weight_decay": q("optim.make_optimizer.weight_decay"), "max_grad_norm": q("optim.make_optimizer.max_grad_norm"),
+        "learning_rate": q("optim.make_optimizer.learning_rate"),
+        "warmup_steps": q("optim.make_optimizer.warmup_steps"), "weight_decay": q("optim.make_optimizer.weight_decay"),
+        "max_grad_norm": q("optim.make_optimizer.max_grad_norm"),
         "max_model_len": q("vllm/engines.create_engine.max_model_len"),
         "quantization": q("vllm/engines.create_engine.engine_init_kwargs").get("quantization"),
         "chat_template": q("train.chat_template"),
