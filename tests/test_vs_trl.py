@@ -41,19 +41,6 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
 
 
-def test_ours_memory_no_remat_reaches_the_training_config(vs_trl):
-    from portable_rl import gin_utils
-    from portable_rl.train import train
-
-    args = vs_trl.parse_args(["--ours_memory", "no_remat"])
-    gin_utils.register_configurable(train, name="train")
-    argv = gin_utils.rewrite_gin_args(vs_trl.gin_bindings(args) + vs_trl.ours_bindings(args))
-    gin_utils.parse_gin([vs_trl.RECIPE], [a[len("--gin_bindings="):] for a in argv])
-    assert gin_utils.query_value("train.remat") == "none"
-    assert gin_utils.query_value("train.max_tokens_per_micro_batch") == 2048
-    assert gin_utils.query_value("train.share_prompts") is True  # the rest of the recipe's layout stays
-
-
 @pytest.mark.parametrize("argv, fix", [
     (["--steps", "0"], "--steps=0 must be >= 1"),
     (["--eval_size", "-1"], "--eval_size=-1 must be >= 1"),
