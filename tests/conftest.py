@@ -41,18 +41,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The Ray files sit next to each other, the first where the first of them was: one unit, one place.
-    first_ray = min((i for i, item in enumerate(items) if item.path.name in RAY_FILES), default=0)
+    # Stable: pytest's order after SLOWEST_FIRST. The Ray files need not sit together: the scheduler makes
+    # them one unit, placed where the first of them is.
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-
-    def position(indexed_item):
-        index, item = indexed_item
-        name = item.path.name
-        if name in RAY_FILES:
-            return rank.get(RAY_FILES[0], len(rank)), first_ray, RAY_FILES.index(name), index
-        return rank.get(name, len(rank)), index, 0, 0
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=position)]
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)
