@@ -137,6 +137,20 @@ def is_finished(run_dir: Path, steps: int) -> bool:
     return any(r["step"] == steps and r.get("accuracy/heldout") is not None for r in read_rows(run_dir))
 
 
+def finished_runs(out: Path, results_dir: Path | None, arms: list[str], seeds: list[int],
+                  steps: int) -> dict[tuple[str, int], Path]:
+    """(arm, seed) → the directory of its finished run: <out>/<arm>/seed<k> when it finished on this machine,
+    else the committed copy in results_dir (runs span sessions, and a new machine has none of <out>)."""
+    runs = {}
+    for arm in arms:
+        for seed in seeds:
+            for run_dir in (out / arm / f"seed{seed}", *([results_dir / arm / f"seed{seed}"] if results_dir else [])):
+                if is_finished(run_dir, steps):
+                    runs[arm, seed] = run_dir
+                    break
+    return runs
+
+
 def tree_digest(path: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -254,20 +268,20 @@ STAT_KEYS = ("start_heldout", "final_heldout", "final_heldout_bf16_served", "bf1
              "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s", "final_response_tokens")
 
 
-def summarize(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int) -> dict:
+def summarize(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int],
+              steps: int) -> dict:
     summary = {}
     for arm in arms:
         per_seed = {}
         for seed in seeds:
-            rows = read_rows(out / arm / f"seed{seed}")
-            if not is_finished(out / arm / f"seed{seed}", steps):
+            if (arm, seed) not in runs:
                 continue
-            rows = [r for r in rows if r["step"] <= steps]
+            rows = [r for r in read_rows(runs[arm, seed]) if r["step"] <= steps]
             heldout = series(rows, "accuracy/heldout")
             reward = series(rows, "reward/mean")
             kl = series(rows, "tis/kl")
             last10 = [v for s, v in reward.items() if s > steps - 10]
-            bf16_report = bf16_report_path(out / arm / f"seed{seed}", steps)
+            bf16_report = bf16_report_path(runs[arm, seed], steps)
             per_seed[seed] = {
                 "final_heldout": heldout[steps], "start_heldout": heldout.get(0, math.nan),
                 "final_heldout_bf16_served": (json.loads(bf16_report.read_text())["accuracy"]
@@ -328,19 +342,20 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def runs_table(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int) -> str:
+def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int],
+               steps: int) -> str:
     """One row per finished run: its held-out evaluations, mean train reward, mean `tis/kl`, answer tokens and
     wall time (sum of time/step, evaluations included)."""
-    evals = sorted({s for arm in arms for k in seeds if is_finished(out / arm / f"seed{k}", steps)
-                    for s in series(read_rows(out / arm / f"seed{k}"), "accuracy/heldout") if s <= steps})
+    evals = sorted({s for run_dir in runs.values() for s in series(read_rows(run_dir), "accuracy/heldout")
+                    if s <= steps})
     lines = ["| arm | seed | " + " | ".join(f"held-out @{s}" for s in evals)
              + " | train reward (mean) | `tis/kl` (mean) | answer tokens (first 5 / last 5 steps) | run time |",
              "|---|---|" + "---|" * len(evals) + "---|---|---|---|"]
     for arm in arms:
         for k in seeds:
-            if not is_finished(out / arm / f"seed{k}", steps):
+            if (arm, k) not in runs:
                 continue
-            rows = [r for r in read_rows(out / arm / f"seed{k}") if r["step"] <= steps]
+            rows = [r for r in read_rows(runs[arm, k]) if r["step"] <= steps]
             heldout, lengths = series(rows, "accuracy/heldout"), series(rows, "response_length/mean")
             cells = [f"{heldout[s] * 100:.1f} %" if s in heldout else "" for s in evals]
             first = _mean(v for s, v in lengths.items() if s <= 5)
@@ -351,22 +366,24 @@ def runs_table(setting: Setting, out: Path, arms: list[str], seeds: list[int], s
     return "\n".join(lines)
 
 
-def _band(ax, setting: Setting, out: Path, arm: str, seeds: list[int], steps: int, key: str, smooth: int) -> None:
+def _band(ax, setting: Setting, runs: dict[tuple[str, int], Path], arm: str, seeds: list[int], steps: int, key: str,
+          smooth: int) -> None:
     """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band."""
-    runs = [series(read_rows(out / arm / f"seed{k}"), key) for k in seeds if is_finished(out / arm / f"seed{k}", steps)]
-    runs = [{s: v for s, v in r.items() if s <= steps} for r in runs]
-    if not runs:
+    curves = [series(read_rows(runs[arm, k]), key) for k in seeds if (arm, k) in runs]
+    curves = [{s: v for s, v in c.items() if s <= steps} for c in curves]
+    if not curves:
         return
-    common = sorted(set.intersection(*(set(r) for r in runs)))
-    ys = [_moving(r, common, smooth) for r in runs]
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    ys = [_moving(c, common, smooth) for c in curves]
     mean = [sum(c) / len(c) for c in zip(*ys)]
     lo, hi = [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)]
     style = "--" if arm.startswith("mxfp4") else "-"
-    ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{setting.arms[arm][2]} (n={len(runs)})")
+    ax.plot(common, mean, style, color=COLORS.get(arm), label=f"{setting.arms[arm][2]} (n={len(curves)})")
     ax.fill_between(common, lo, hi, color=COLORS.get(arm), alpha=0.12)
 
 
-def plot(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: int, img_dir: Path,
+def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int], steps: int,
+         img_dir: Path,
          prefix: str = "results") -> list[Path]:
     """<prefix>_accuracy.png, _reward.png (FP8 arms | MXFP4 arms, bf16 in both), _mismatch.png."""
     import matplotlib
@@ -383,7 +400,7 @@ def plot(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: 
         axes = axes[0]
         for ax, (panel, title) in zip(axes, panels):
             for arm in panel:
-                _band(ax, setting, out, arm, seeds, steps, key, smooth)
+                _band(ax, setting, runs, arm, seeds, steps, key, smooth)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
@@ -397,7 +414,7 @@ def plot(setting: Setting, out: Path, arms: list[str], seeds: list[int], steps: 
 
     fig, ax = plt.subplots(figsize=(10, 4.2))
     for arm in arms:
-        _band(ax, setting, out, arm, seeds, steps, "tis/k3_kl", 1)
+        _band(ax, setting, runs, arm, seeds, steps, "tis/k3_kl", 1)
     ax.set_yscale("log")
     ax.set_title("rollout/learner mismatch: KL(rollout ‖ train), k3 estimator, nats/token\n"
                  "(train batch, before the update; mean over seeds, band = min–max)", fontsize=9)
@@ -559,15 +576,16 @@ def main(argv=None):
                     except subprocess.CalledProcessError as e:
                         print(f"[exp] {arm} seed {seed}: bf16 evaluation FAILED ({e})", flush=True)
 
-    summary = summarize(setting, out, arms, args.seeds, args.steps)
+    runs = finished_runs(out, results_dir, arms, args.seeds, args.steps)
+    summary = summarize(setting, runs, arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(setting, out, arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
+    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary))
     print()
-    print(runs_table(setting, out, arms, args.seeds, args.steps))
+    print(runs_table(setting, runs, arms, args.seeds, args.steps))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
 
 

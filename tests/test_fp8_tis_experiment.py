@@ -90,7 +90,9 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     _write_run(out / "fp8" / "seed0", heldout)
     _write_run(out / "fp8" / "seed1", {0: 0.10, 5: 0.1, 10: 0.2, 15: 0.2, 20: 0.15}, kl=0.06)
     _write_run(out / "fp8" / "seed2", {0: 0.10, 5: 0.2})          # unfinished: left out
-    summary = exp.summarize(exp.SETTINGS["smollm2"], out, ["fp8"], [0, 1, 2], 20)["fp8"]
+    runs = exp.finished_runs(out, None, ["fp8"], [0, 1, 2], 20)
+    assert runs == {("fp8", 0): out / "fp8" / "seed0", ("fp8", 1): out / "fp8" / "seed1"}
+    summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20)["fp8"]
     assert summary["seeds"] == [0, 1]
     seed0 = summary["per_seed"][0]
     assert seed0["final_heldout"] == 0.35 and seed0["start_heldout"] == 0.10
@@ -102,8 +104,20 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     exp.copy_results(out / "fp8" / "seed0", results)
     assert (results / "fp8" / "seed0" / "metrics.jsonl").read_text() == (out / "fp8" / "seed0" / "metrics.jsonl").read_text()
     assert exp.is_finished(results / "fp8" / "seed0", 20) and not exp.is_finished(out / "fp8" / "seed2", 20)
-    again = exp.summarize(exp.SETTINGS["smollm2"], results, ["fp8"], [0, 1, 2], 20)["fp8"]
+    again = exp.summarize(exp.SETTINGS["smollm2"], exp.finished_runs(results, None, ["fp8"], [0, 1, 2], 20),
+                          ["fp8"], [0, 1, 2], 20)["fp8"]
     assert again["per_seed"][0] == seed0   # the committed copies aggregate like the run directories
+
+    # A new machine: seed 2 finished in an earlier session (only its committed copy), seed 0 both here and
+    # committed (the live run wins), seed 1 here only; the aggregate takes all three.
+    _write_run(results / "fp8" / "seed2", {0: 0.10, 5: 0.1, 10: 0.1, 15: 0.1, 20: 0.05})
+    runs = exp.finished_runs(out, results, ["fp8"], [0, 1, 2], 20)
+    assert runs == {("fp8", 0): out / "fp8" / "seed0", ("fp8", 1): out / "fp8" / "seed1",
+                    ("fp8", 2): results / "fp8" / "seed2"}
+    summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20)["fp8"]
+    assert summary["seeds"] == [0, 1, 2] and math.isclose(summary["stats"]["final_heldout"]["mean"], 0.55 / 3)
+    table = exp.runs_table(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20).splitlines()
+    assert len(table) == 2 + 3 and table[-1].startswith("| fp8_per_channel, no correction | 2 | 10.0 % |")
 
 
 def test_an_arm_of_another_setting_is_one_line(exp):
