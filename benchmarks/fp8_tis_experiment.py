@@ -383,8 +383,7 @@ def _band(ax, setting: Setting, runs: dict[tuple[str, int], Path], arm: str, see
 
 
 def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int], steps: int,
-         img_dir: Path,
-         prefix: str = "results") -> list[Path]:
+         img_dir: Path, prefix: str = "results") -> list[Path]:
     """<prefix>_accuracy.png, _reward.png (FP8 arms | MXFP4 arms, bf16 in both), _mismatch.png."""
     import matplotlib
     matplotlib.use("Agg")
