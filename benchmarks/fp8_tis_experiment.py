@@ -196,11 +196,52 @@ def run_env(out: Path) -> dict:
     return {**os.environ, **CPU_ENV, "JAX_COMPILATION_CACHE_DIR": str(out / "xla_cache")}
 
 
+def box_description(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """'<CPU model name>, <n> cores, bf16 dot products: <flags>|none': what decides a run's CPU kernels (the
+    FP8 GEMM's and the bf16 engine's compute dtype, XLA's and oneDNN's paths), hence its bits."""
+    import os as _os
+
+    from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags
+
+    model = "unknown CPU"
+    try:
+        with open(cpuinfo) as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    fast = [f for f in FAST_BF16_CPU_FLAGS if f in cpu_flags(cpuinfo)]
+    return f"{model}, {_os.cpu_count()} cores, bf16 dot products: {'/'.join(fast) or 'none'}"
+
+
+def record_box(run_dir: Path, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """Appends '<UTC time>  from step <k>  <box>' to <run_dir>/boxes.txt, once per segment of the run: a run
+    resumed in a later session may finish on another machine, and its bits depend on the CPU."""
+    rows = read_rows(run_dir)
+    start = max((r["step"] for r in rows), default=0)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with open(run_dir / "boxes.txt", "a") as f:
+        f.write(f"{stamp}  from step {start}  {box_description(cpuinfo)}\n")
+
+
+def run_boxes(run_dir: Path) -> str:
+    """The CPU(s) a run ran on, for the runs table: 'Intel' / 'AMD' / 'Intel+AMD' (from boxes.txt), '?' if none."""
+    path = run_dir / "boxes.txt"
+    if not path.is_file():
+        return "?"
+    vendors = []
+    for line in path.read_text().splitlines():
+        vendor = "Intel" if "Intel" in line else "AMD" if "AMD" in line else "other"
+        if vendor not in vendors:
+            vendors.append(vendor)
+    return "+".join(vendors) or "?"
+
+
 def run_one(setting: Setting, arm: str, seed: int, steps: int, out: Path, model_path: Path, code_dir: Path) -> float:
     run_dir = out / arm / f"seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = train_command(setting, arm, seed, steps, run_dir, model_path)
     (run_dir / "command.txt").write_text(f"cd {code_dir} && " + " ".join(cmd) + "\n")
+    record_box(run_dir)
     t0 = time.time()
     with open(run_dir / "train.log", "a") as log:
         subprocess.run(cmd, cwd=code_dir, env=run_env(out), stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -208,10 +249,11 @@ def run_one(setting: Setting, arm: str, seed: int, steps: int, out: Path, model_
 
 
 def copy_results(run_dir: Path, results_dir: Path) -> None:
-    """metrics.jsonl, config.gin and command.txt of a finished run → results_dir/<arm>/seed<k>/ (committable)."""
+    """metrics.jsonl, config.gin, command.txt and boxes.txt of a finished run → results_dir/<arm>/seed<k>/
+    (committable)."""
     dst = results_dir / run_dir.parent.name / run_dir.name
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "config.gin", "command.txt"):
+    for name in ("metrics.jsonl", "config.gin", "command.txt", "boxes.txt"):
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, dst / name)
     for report in run_dir.glob("eval_bf16_greedy_step*.json"):  # the summary only (records are large)
@@ -263,8 +305,8 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, s
 
 
-STAT_KEYS = ("start_heldout", "final_heldout", "final_heldout_bf16_served", "bf16_minus_own_serving", "peak_heldout",
-             "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl", "mean_probe_kl",
+STAT_KEYS = ("start_heldout", "final_heldout", "heldout_gain", "final_heldout_bf16_served", "bf16_minus_own_serving",
+             "peak_heldout", "late_heldout", "final_reward_last10", "mean_kl", "mean_k3_kl", "mean_probe_kl",
              "mean_probe_max_abs_diff", "mean_clipped_frac", "mean_step_s", "final_response_tokens")
 
 
@@ -284,6 +326,8 @@ def summarize(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[st
             bf16_report = bf16_report_path(runs[arm, seed], steps)
             per_seed[seed] = {
                 "final_heldout": heldout[steps], "start_heldout": heldout.get(0, math.nan),
+                # paired, same run: its own engine's step-0 score differs from box to box (FP8 kernels)
+                "heldout_gain": heldout[steps] - heldout.get(0, math.nan),
                 "final_heldout_bf16_served": (json.loads(bf16_report.read_text())["accuracy"]
                                               if bf16_report.exists() else math.nan),
                 "peak_heldout": max(heldout.values()),
@@ -317,12 +361,13 @@ def _mean(values) -> float:
 
 def markdown_table(summary: dict) -> str:
     lines = ["| arm | seeds | held-out at step 0 | final held-out acc. (mean ± std) | per seed "
+             "| final − step 0 (paired) "
              "| mean of the evals at step ≥ steps/2 "
              "| same weights served bf16 "
              "| bf16-served − own-served (paired) "
              "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
              "| post-sync probe KL | TIS clipped frac. | answer tokens (last 5 steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
         st = s["stats"]
         n_bf16 = sum(not math.isnan(s["per_seed"][k]["final_heldout_bf16_served"]) for k in s["seeds"])
@@ -331,6 +376,7 @@ def markdown_table(summary: dict) -> str:
             f"| {s['label']} | {len(s['seeds'])} | {st['start_heldout']['mean'] * 100:.1f} % "
             f"| {st['final_heldout']['mean'] * 100:.1f} ± "
             f"{st['final_heldout']['std'] * 100:.1f} % | {per} | "
+            f"{st['heldout_gain']['mean'] * 100:+.1f} ± {st['heldout_gain']['std'] * 100:.1f} | "
             f"{st['late_heldout']['mean'] * 100:.1f} ± {st['late_heldout']['std'] * 100:.1f} % | "
             f"{st['final_heldout_bf16_served']['mean'] * 100:.1f} ± "
             f"{st['final_heldout_bf16_served']['std'] * 100:.1f} % (n={n_bf16}) | "
@@ -344,13 +390,13 @@ def markdown_table(summary: dict) -> str:
 
 def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int],
                steps: int) -> str:
-    """One row per finished run: its held-out evaluations, mean train reward, mean `tis/kl`, answer tokens and
-    wall time (sum of time/step, evaluations included)."""
+    """One row per finished run: its CPU (boxes.txt), held-out evaluations, mean train reward, mean `tis/kl`,
+    answer tokens and wall time (sum of time/step, evaluations included)."""
     evals = sorted({s for run_dir in runs.values() for s in series(read_rows(run_dir), "accuracy/heldout")
                     if s <= steps})
-    lines = ["| arm | seed | " + " | ".join(f"held-out @{s}" for s in evals)
+    lines = ["| arm | seed | CPU | " + " | ".join(f"held-out @{s}" for s in evals)
              + " | train reward (mean) | `tis/kl` (mean) | answer tokens (first 5 / last 5 steps) | run time |",
-             "|---|---|" + "---|" * len(evals) + "---|---|---|---|"]
+             "|---|---|---|" + "---|" * len(evals) + "---|---|---|---|"]
     for arm in arms:
         for k in seeds:
             if (arm, k) not in runs:
@@ -361,8 +407,8 @@ def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[s
             first = _mean(v for s, v in lengths.items() if s <= 5)
             last = _mean(v for s, v in lengths.items() if s > steps - 5)
             reward, kl = _mean(series(rows, "reward/mean").values()), _mean(series(rows, "tis/kl").values())
-            lines.append(f"| {setting.arms[arm][2]} | {k} | " + " | ".join(cells) + f" | {reward:.3f} | {kl:.4f}"
-                         + f" | {first:.0f} / {last:.0f} | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
+            lines.append(f"| {setting.arms[arm][2]} | {k} | {run_boxes(runs[arm, k])} | " + " | ".join(cells)
+                         + f" | {reward:.3f} | {kl:.4f} | {first:.0f} / {last:.0f} | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
     return "\n".join(lines)
 
 

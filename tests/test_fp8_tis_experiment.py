@@ -5,6 +5,7 @@ wrote. The runs themselves (an hour each here) are in docs/results.md."""
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     assert summary["seeds"] == [0, 1]
     seed0 = summary["per_seed"][0]
     assert seed0["final_heldout"] == 0.35 and seed0["start_heldout"] == 0.10
+    assert math.isclose(seed0["heldout_gain"], 0.25)   # paired with the run's own step 0
     assert math.isclose(seed0["late_heldout"], (0.3 + 0.25 + 0.35) / 3)   # the evaluations at steps >= 10
     st = summary["stats"]
     assert math.isclose(st["final_heldout"]["mean"], 0.25) and math.isclose(st["mean_kl"]["mean"], 0.05)
@@ -117,7 +119,35 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20)["fp8"]
     assert summary["seeds"] == [0, 1, 2] and math.isclose(summary["stats"]["final_heldout"]["mean"], 0.55 / 3)
     table = exp.runs_table(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20).splitlines()
-    assert len(table) == 2 + 3 and table[-1].startswith("| fp8_per_channel, no correction | 2 | 10.0 % |")
+    assert len(table) == 2 + 3 and table[-1].startswith("| fp8_per_channel, no correction | 2 | ? | 10.0 % |")
+
+
+INTEL = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16\n"
+AMD = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma\n"
+
+
+def test_each_segment_of_a_run_records_its_cpu(exp, tmp_path):
+    (tmp_path / "intel").write_text(INTEL)
+    (tmp_path / "amd").write_text(AMD)
+    assert exp.box_description(str(tmp_path / "intel")).startswith("Intel(R) Xeon(R) Processor, ")
+    assert exp.box_description(str(tmp_path / "intel")).endswith("bf16 dot products: amx_bf16/avx512_bf16")
+    assert exp.box_description(str(tmp_path / "amd")).endswith("bf16 dot products: none")
+
+    run, results = tmp_path / "runs" / "fp8" / "seed0", tmp_path / "results"
+    run.mkdir(parents=True)
+    assert exp.run_boxes(run) == "?"                       # a run from before the record: unknown
+    exp.record_box(run, str(tmp_path / "amd"))             # a new run
+    first = (run / "boxes.txt").read_text()
+    shutil.rmtree(run)
+    _write_run(run, {0: 0.1, 5: 0.1, 10: 0.1})            # it got to step 20 (rows 0-20) ...
+    (run / "boxes.txt").write_text(first)
+    exp.record_box(run, str(tmp_path / "intel"))           # ... and resumed on another machine
+    lines = (run / "boxes.txt").read_text().splitlines()
+    assert len(lines) == 2 and "from step 0" in lines[0] and "AMD EPYC 7B13" in lines[0]
+    assert "from step 20" in lines[1] and "Intel(R) Xeon(R)" in lines[1]
+    assert exp.run_boxes(run) == "AMD+Intel"
+    exp.copy_results(run, results)
+    assert exp.run_boxes(results / "fp8" / "seed0") == "AMD+Intel"
 
 
 def test_an_arm_of_another_setting_is_one_line(exp):
