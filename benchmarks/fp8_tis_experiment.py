@@ -42,8 +42,10 @@ session continues the experiment from the committed copies), and `--aggregate_on
 aggregates from those copies alone.
 
 Aggregation (at --steps; longer runs are cut there): final held-out greedy accuracy (mean ± std over seeds,
-ddof=1), the mean of the evaluations in the run's second half, with --eval_bf16 the same weights served
-by a bf16 engine (paired difference), last-10-step train reward, mean mismatch KL (`tis/kl`: mean over
+ddof=1), its change from the run's own step-0 score, the mean of the evaluations in the run's second half,
+the same weights served by the setting's reference engine (paired difference; --eval_bf16 for the toy's bf16
+engine, and after every SmolLM2 run its fp32 engine, the unquantized arm's, whose score does not depend on
+the CPU), last-10-step train reward, mean mismatch KL (`tis/kl`: mean over
 tokens of log π_rollout − log π_train, the k1 estimator of KL(rollout ‖ train); `tis/k3_kl`), post-sync
 probe KL; a markdown table on stdout, <out>/summary_<steps>steps.json, and plots
 docs/img/<prefix>_{accuracy,reward,mismatch}.png (mean over seeds, min–max band).
@@ -91,6 +93,10 @@ class Setting:
     default_arms: list
     eval_gin: str            # evaluate CLI file that scores a run's checkpoint on the same held-out set
     start: str               # "warmstart" (gin/warmstart.gin) or "gguf" (convert.convert_gguf)
+    # The engine that re-scores every run's final weights (--eval_bf16): one server for all arms.
+    reference_engine: dict = dataclasses.field(default_factory=lambda: {"QUANTIZATION": "None"})
+    reference_label: str = "bf16"
+    reference_after_each_run: bool = False  # re-score as soon as a run ends, while its checkpoint is here
 
 
 SETTINGS = {
@@ -109,6 +115,10 @@ SETTINGS = {
     "smollm2": Setting(
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
+        # The unquantized arm's fp32 engine: its greedy score of the start is the same on AMD EPYC and Intel
+        # Xeon (14.1 %) where the FP8 engine's is not (13.3 vs 8.6 %), so runs from any box compare on it.
+        reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
+        reference_label="fp32", reference_after_each_run=True,
         arms={
             "bf16": ([], {"QUANTIZATION": "None", **UNQUANTIZED_FP32_ENGINE, **NO_CORRECTION},
                      "unquantized rollouts (bf16 weights, fp32 engine), no correction"),
@@ -261,6 +271,21 @@ def copy_results(run_dir: Path, results_dir: Path) -> None:
         (dst / report.name).write_text(json.dumps({"accuracy": summary["accuracy"]}) + "\n")
 
 
+def finish_run(setting: Setting, run_dir: Path, steps: int, code_dir: Path, results_dir: Path | None) -> None:
+    """A finished run: keep its step-`steps` checkpoint, re-score it with the reference engine where the setting
+    asks for that after each run (the checkpoint does not outlive the machine), copy its results."""
+    snapshot_checkpoint(run_dir, steps)
+    if setting.reference_after_each_run and not bf16_report_path(run_dir, steps).exists():
+        print(f"[exp] {run_dir.parent.name} seed {run_dir.name[4:]}: {setting.reference_label} engine's "
+              f"evaluation at step {steps}", flush=True)
+        try:
+            eval_bf16(setting, run_dir, steps, code_dir)
+        except subprocess.CalledProcessError as e:
+            print(f"[exp] reference evaluation FAILED ({e}); see {run_dir / 'eval_bf16.log'}", flush=True)
+    if results_dir:
+        copy_results(run_dir, results_dir)
+
+
 def bf16_report_path(run_dir: Path, steps: int) -> Path:
     return run_dir / f"eval_bf16_greedy_step{steps}.json"
 
@@ -276,18 +301,24 @@ def snapshot_checkpoint(run_dir: Path, steps: int) -> None:
         shutil.copytree(src, dst)
 
 
+def reference_eval_command(setting: Setting, run_dir: Path, steps: int) -> list[str]:
+    """portable_rl.evaluate on the run's step-`steps` checkpoint, served by the setting's reference engine."""
+    ckpt = run_dir if (run_dir / "checkpoints" / str(steps)).exists() else snapshot_dir(run_dir, steps)
+    return [sys.executable, "-m", "portable_rl.evaluate", f"--gin_file={setting.eval_gin}",
+            f"--gin_bindings=CHECKPOINT = '{ckpt}'", f"--gin_bindings=evaluate.step = {steps}",
+            *[f"--gin_bindings={k} = {v}" for k, v in setting.reference_engine.items()],
+            f"--gin_bindings=evaluate.report_path = '{bf16_report_path(run_dir, steps)}'"]
+
+
 def eval_bf16(setting: Setting, run_dir: Path, steps: int, code_dir: Path) -> None:
-    """Greedy held-out accuracy of the learner's step-`steps` weights served by a bf16 engine.
+    """Greedy held-out accuracy of the learner's step-`steps` weights served by the setting's unquantized
+    reference engine (bf16 for the toy, the fp32 engine for SmolLM2).
 
     The training log's accuracy/heldout is served by the arm's own (possibly quantized) engine; this
-    separates "the learned policy is worse" from "quantized serving of it is worse"."""
-    ckpt = run_dir if (run_dir / "checkpoints" / str(steps)).exists() else snapshot_dir(run_dir, steps)
-    cmd = [sys.executable, "-m", "portable_rl.evaluate", f"--gin_file={setting.eval_gin}",
-           f"--gin_bindings=CHECKPOINT = '{ckpt}'", f"--gin_bindings=evaluate.step = {steps}",
-           "--gin_bindings=QUANTIZATION = None",
-           f"--gin_bindings=evaluate.report_path = '{bf16_report_path(run_dir, steps)}'"]
+    separates "the learned policy is worse" from "quantized serving of it is worse", and scores every run,
+    whichever CPU it ran on, with one server."""
     with open(run_dir / "eval_bf16.log", "a") as log:
-        subprocess.run(cmd, cwd=code_dir, env={**os.environ, **CPU_ENV}, stdout=log, stderr=subprocess.STDOUT,
+        subprocess.run(reference_eval_command(setting, run_dir, steps), cwd=code_dir, env={**os.environ, **CPU_ENV}, stdout=log, stderr=subprocess.STDOUT,
                        check=True)
 
 
@@ -359,12 +390,13 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def markdown_table(summary: dict) -> str:
+def markdown_table(summary: dict, reference: str = "bf16") -> str:
+    """One row per arm; `reference` names the engine of the re-scoring columns (Setting.reference_label)."""
     lines = ["| arm | seeds | held-out at step 0 | final held-out acc. (mean ± std) | per seed "
              "| final − step 0 (paired) "
              "| mean of the evals at step ≥ steps/2 "
-             "| same weights served bf16 "
-             "| bf16-served − own-served (paired) "
+             f"| same weights served {reference} "
+             f"| {reference}-served − own-served (paired) "
              "| final reward (last 10 steps) | mismatch KL k1 `tis/kl` | KL k3 `tis/k3_kl` "
              "| post-sync probe KL | TIS clipped frac. | answer tokens (last 5 steps) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -390,13 +422,15 @@ def markdown_table(summary: dict) -> str:
 
 def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int],
                steps: int) -> str:
-    """One row per finished run: its CPU (boxes.txt), held-out evaluations, mean train reward, mean `tis/kl`,
-    answer tokens and wall time (sum of time/step, evaluations included)."""
+    """One row per finished run: its CPU (boxes.txt), held-out evaluations (its own engine's, then the final
+    weights' on the reference engine), mean train reward, mean `tis/kl`, answer tokens and wall time (sum of
+    time/step, evaluations included)."""
     evals = sorted({s for run_dir in runs.values() for s in series(read_rows(run_dir), "accuracy/heldout")
                     if s <= steps})
     lines = ["| arm | seed | CPU | " + " | ".join(f"held-out @{s}" for s in evals)
+             + f" | {setting.reference_label}-served @{steps}"
              + " | train reward (mean) | `tis/kl` (mean) | answer tokens (first 5 / last 5 steps) | run time |",
-             "|---|---|---|" + "---|" * len(evals) + "---|---|---|---|"]
+             "|---|---|---|" + "---|" * len(evals) + "---|---|---|---|---|"]
     for arm in arms:
         for k in seeds:
             if (arm, k) not in runs:
@@ -404,11 +438,14 @@ def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[s
             rows = [r for r in read_rows(runs[arm, k]) if r["step"] <= steps]
             heldout, lengths = series(rows, "accuracy/heldout"), series(rows, "response_length/mean")
             cells = [f"{heldout[s] * 100:.1f} %" if s in heldout else "" for s in evals]
+            report = bf16_report_path(runs[arm, k], steps)
+            cells.append(f"{json.loads(report.read_text())['accuracy'] * 100:.1f} %" if report.exists() else "")
             first = _mean(v for s, v in lengths.items() if s <= 5)
             last = _mean(v for s, v in lengths.items() if s > steps - 5)
             reward, kl = _mean(series(rows, "reward/mean").values()), _mean(series(rows, "tis/kl").values())
             lines.append(f"| {setting.arms[arm][2]} | {k} | {run_boxes(runs[arm, k])} | " + " | ".join(cells)
-                         + f" | {reward:.3f} | {kl:.4f} | {first:.0f} / {last:.0f} | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
+                         + f" | {reward:.3f} | {kl:.4f} | {first:.0f} / {last:.0f}"
+                         + f" | {sum(series(rows, 'time/step').values()) / 60:.0f} min |")
     return "\n".join(lines)
 
 
@@ -558,7 +595,8 @@ def main(argv=None):
     p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
-                   help="also evaluate each finished run's step---steps weights greedily with a bf16 engine")
+                   help="also evaluate each finished run's step---steps weights greedily with the setting's "
+                        "reference engine (toy: bf16; smollm2: fp32, done after each run anyway)")
     p.add_argument("--probe_mismatch", nargs="*", default=None, choices=list(PROBE_ENGINES),
                    help="only measure KL(rollout ‖ learner) on the warm start for these rollout precisions (toy)")
     args = p.parse_args(argv)
@@ -593,18 +631,14 @@ def main(argv=None):
                     print(f"[exp] {arm} seed {seed}: in {results_dir} (an earlier session's run), skipped", flush=True)
                     continue
                 if is_finished(run_dir, args.steps):
-                    snapshot_checkpoint(run_dir, args.steps)
-                    if results_dir:
-                        copy_results(run_dir, results_dir)
+                    finish_run(setting, run_dir, args.steps, code_dir, results_dir)
                     print(f"[exp] {arm} seed {seed}: done, skipped", flush=True)
                     continue
                 print(f"[exp] {arm} seed {seed}: running ({time.strftime('%H:%M:%S')})", flush=True)
                 try:
                     wall = run_one(setting, arm, seed, args.steps, out, model_path, code_dir)
-                    snapshot_checkpoint(run_dir, args.steps)
-                    if results_dir:
-                        copy_results(run_dir, results_dir)
                     print(f"[exp] {arm} seed {seed}: finished in {wall:.0f} s", flush=True)
+                    finish_run(setting, run_dir, args.steps, code_dir, results_dir)
                 except subprocess.CalledProcessError as e:
                     print(f"[exp] {arm} seed {seed}: FAILED ({e}); see {run_dir / 'train.log'}", flush=True)
 
@@ -628,7 +662,7 @@ def main(argv=None):
     plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
-    print(markdown_table(summary))
+    print(markdown_table(summary, setting.reference_label))
     print()
     print(runs_table(setting, runs, arms, args.seeds, args.steps))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")

@@ -76,6 +76,33 @@ def test_smollm2_arms_change_only_precision_and_correction(exp):
     assert (mask.mode, mask.clip, mask.product_mask_low, mask.product_mask_high) == ("sequence", None, None, 3.0)
 
 
+def test_smollm2_runs_are_rescored_on_the_unquantized_arms_fp32_engine(exp, tmp_path):
+    """Every SmolLM2 run's final weights are re-scored by one server, the bf16 arm's fp32 engine (its score does
+    not depend on the CPU), right after the run; the toy keeps its bf16 engine."""
+    from portable_rl import gin_utils
+    from portable_rl.evaluate import evaluate
+
+    setting = exp.SETTINGS["smollm2"]
+    assert setting.reference_after_each_run and not exp.SETTINGS["toy"].reference_after_each_run
+    run = tmp_path / "fp8" / "seed0"
+    cmd = exp.reference_eval_command(setting, run, 20)
+    gin.clear_config()
+    gin_utils.register_configurable(evaluate, name="evaluate")
+    gin_utils.parse_gin([c.split("=", 1)[1] for c in cmd if c.startswith("--gin_file=")],
+                        [c.split("=", 1)[1] for c in cmd if c.startswith("--gin_bindings=")])
+    scope = gin.query_parameter("ENGINE/macro.value").scoped_selector.split("/")[0]
+    assert gin_utils.query_value(f"{scope}/engines.create_engine.engine_init_kwargs") == {
+        "quantization": None, "enable_chunked_prefill": False, "dtype": "float32"}
+    assert gin_utils.query_value("evaluate.step") == 20
+    # the run's step-20 checkpoint is gone (a run keeps 2): its snapshot is scored, into the run's report
+    assert gin_utils.query_value("evaluate.checkpoint") == str(exp.snapshot_dir(run, 20))
+    assert gin_utils.query_value("evaluate.report_path") == str(exp.bf16_report_path(run, 20))
+    train_engine = _configured(exp, "bf16", 0)[1]["engine_init_kwargs"]
+    assert {k: train_engine[k] for k in ("quantization", "dtype")} == {"quantization": None, "dtype": "float32"}
+    toy = exp.reference_eval_command(exp.SETTINGS["toy"], run, 20)
+    assert "--gin_bindings=QUANTIZATION = None" in toy and not any("ENGINE_KWARGS" in c for c in toy)
+
+
 def _write_run(path, heldout, reward=0.5, kl=0.04):
     path.mkdir(parents=True)
     rows = [{"step": s, "reward/mean": reward, "tis/kl": kl, "tis/k3_kl": kl, "response_length/mean": 20.0,
@@ -120,6 +147,10 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     assert summary["seeds"] == [0, 1, 2] and math.isclose(summary["stats"]["final_heldout"]["mean"], 0.55 / 3)
     table = exp.runs_table(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20).splitlines()
     assert len(table) == 2 + 3 and table[-1].startswith("| fp8_per_channel, no correction | 2 | ? | 10.0 % |")
+    assert "| fp32-served @20 |" in table[0] and "| 5.0 % |  | 0.500 |" in table[-1]   # not re-scored
+    exp.bf16_report_path(results / "fp8" / "seed2", 20).write_text(json.dumps({"accuracy": 0.0625}))
+    table = exp.runs_table(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20).splitlines()
+    assert "| 5.0 % | 6.2 % | 0.500 |" in table[-1]
 
 
 INTEL = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16\n"
