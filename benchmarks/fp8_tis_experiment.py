@@ -209,8 +209,6 @@ def run_env(out: Path) -> dict:
 def box_description(cpuinfo: str = "/proc/cpuinfo") -> str:
     """'<CPU model name>, <n> cores, bf16 dot products: <flags>|none': what decides a run's CPU kernels (the
     FP8 GEMM's and the bf16 engine's compute dtype, XLA's and oneDNN's paths), hence its bits."""
-    import os as _os
-
     from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags
 
     model = "unknown CPU"
@@ -220,7 +218,7 @@ def box_description(cpuinfo: str = "/proc/cpuinfo") -> str:
     except OSError:
         pass
     fast = [f for f in FAST_BF16_CPU_FLAGS if f in cpu_flags(cpuinfo)]
-    return f"{model}, {_os.cpu_count()} cores, bf16 dot products: {'/'.join(fast) or 'none'}"
+    return f"{model}, {os.cpu_count()} cores, bf16 dot products: {'/'.join(fast) or 'none'}"
 
 
 def record_box(run_dir: Path, cpuinfo: str = "/proc/cpuinfo") -> None:
@@ -318,8 +316,8 @@ def eval_bf16(setting: Setting, run_dir: Path, steps: int, code_dir: Path) -> No
     separates "the learned policy is worse" from "quantized serving of it is worse", and scores every run,
     whichever CPU it ran on, with one server."""
     with open(run_dir / "eval_bf16.log", "a") as log:
-        subprocess.run(reference_eval_command(setting, run_dir, steps), cwd=code_dir, env={**os.environ, **CPU_ENV}, stdout=log, stderr=subprocess.STDOUT,
-                       check=True)
+        subprocess.run(reference_eval_command(setting, run_dir, steps), cwd=code_dir, env={**os.environ, **CPU_ENV},
+                       stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
 # ------------------------------------------------------------------------------------------ aggregation
