@@ -153,6 +153,24 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     assert "| 5.0 % | 6.2 % | 0.500 |" in table[-1]
 
 
+def test_the_reference_arm_is_reference_served_by_its_own_evaluation(exp, tmp_path):
+    # The unquantized arm's own engine is the reference engine: a run of it whose checkpoint is gone (no
+    # re-score) still has a reference-served score, its own; a quantized arm without a re-score has none.
+    setting = exp.SETTINGS["smollm2"]
+    _write_run(tmp_path / "bf16" / "seed0", {0: 0.14, 5: 0.04, 10: 0.04, 15: 0.04, 20: 0.03125})
+    _write_run(tmp_path / "fp8" / "seed0", {0: 0.09, 5: 0.1, 10: 0.1, 15: 0.1, 20: 0.0625})
+    runs = exp.finished_runs(tmp_path, None, ["bf16", "fp8"], [0], 20)
+    summary = exp.summarize(setting, runs, ["bf16", "fp8"], [0], 20)
+    assert summary["bf16"]["per_seed"][0]["final_heldout_bf16_served"] == 0.03125
+    assert summary["bf16"]["per_seed"][0]["bf16_minus_own_serving"] == 0.0
+    assert math.isnan(summary["fp8"]["per_seed"][0]["final_heldout_bf16_served"])
+    bf16_row, fp8_row = exp.runs_table(setting, runs, ["bf16", "fp8"], [0], 20).splitlines()[2:]
+    assert "| 3.1 % | 3.1 % |" in bf16_row and "| 6.2 % |  |" in fp8_row
+    # a re-score, where one exists, is what counts (it is a separate evaluation of the checkpoint)
+    exp.bf16_report_path(tmp_path / "bf16" / "seed0", 20).write_text(json.dumps({"accuracy": 0.0390625}))
+    assert exp.summarize(setting, runs, ["bf16"], [0], 20)["bf16"]["per_seed"][0]["final_heldout_bf16_served"] == 0.0390625
+
+
 INTEL = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16\n"
 AMD = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma\n"
 
