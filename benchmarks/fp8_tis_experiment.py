@@ -48,7 +48,8 @@ engine, and after every SmolLM2 run its fp32 engine, the unquantized arm's, whos
 the CPU), last-10-step train reward, mean mismatch KL (`tis/kl`: mean over
 tokens of log π_rollout − log π_train, the k1 estimator of KL(rollout ‖ train); `tis/k3_kl`), post-sync
 probe KL; a markdown table on stdout, <out>/summary_<steps>steps.json, and plots
-docs/img/<prefix>_{accuracy,reward,mismatch}.png (mean over seeds, min–max band).
+docs/img/<prefix>_{accuracy,gain,reward,mismatch}.png (mean over seeds, min–max band; gain: each run's held-out
+accuracy minus its own step 0).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ SETTINGS = {
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
         # The unquantized arm's fp32 engine: its greedy score of the start is the same on AMD EPYC and Intel
-        # Xeon (14.1 %) where the FP8 engine's is not (13.3 vs 8.6 %), so runs from any box compare on it.
+        # Xeon (14.1 %) where the FP8 engine's is not (AMD 13.3 %, Xeon with AMX 8.6 %, Xeon with avx512_bf16 and
+        # no AMX 10.9 %), so runs from any box compare on it.
         reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
         reference_label="fp32", reference_after_each_run=True,
         arms={
@@ -458,10 +460,13 @@ def runs_table(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[s
 
 
 def _band(ax, setting: Setting, runs: dict[tuple[str, int], Path], arm: str, seeds: list[int], steps: int, key: str,
-          smooth: int) -> None:
-    """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band."""
+          smooth: int, from_start: bool = False) -> None:
+    """Mean over the finished seeds of `key` (moving average over `smooth` steps), min–max band; with
+    `from_start`, each run's value minus its own step-0 value (paired: its engine's offset drops out)."""
     curves = [series(read_rows(runs[arm, k]), key) for k in seeds if (arm, k) in runs]
     curves = [{s: v for s, v in c.items() if s <= steps} for c in curves]
+    if from_start:
+        curves = [{s: v - c[0] for s, v in c.items()} for c in curves if 0 in c]
     if not curves:
         return
     common = sorted(set.intersection(*(set(c) for c in curves)))
@@ -475,7 +480,8 @@ def _band(ax, setting: Setting, runs: dict[tuple[str, int], Path], arm: str, see
 
 def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], seeds: list[int], steps: int,
          img_dir: Path, prefix: str = "results") -> list[Path]:
-    """<prefix>_accuracy.png, _reward.png (FP8 arms | MXFP4 arms, bf16 in both), _mismatch.png."""
+    """<prefix>_accuracy.png, _gain.png (accuracy − the run's own step 0), _reward.png (FP8 arms | MXFP4 arms,
+    bf16 in both), _mismatch.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -484,13 +490,18 @@ def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], s
               ([a for a in arms if a == "bf16" or a.startswith("mxfp4")], "bf16 vs MXFP4 (fake-quant) rollouts")]
     panels = [(panel, title) for panel, title in panels if any(a != "bf16" for a in panel)] or panels[:1]
     written = []
-    for name, key, ylabel, smooth in [("accuracy", "accuracy/heldout", "held-out greedy accuracy", 1),
-                                      ("reward", "reward/mean", "train reward, 5-step moving average", 5)]:
+    for name, key, ylabel, smooth, from_start in [
+            ("accuracy", "accuracy/heldout", "held-out greedy accuracy", 1, False),
+            # the FP8 engine's score of one checkpoint differs with the CPU; each run's gain does not carry that
+            ("gain", "accuracy/heldout", "held-out accuracy − the run's own step 0", 1, True),
+            ("reward", "reward/mean", "train reward, 5-step moving average", 5, False)]:
         fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), sharey=True, squeeze=False)
         axes = axes[0]
         for ax, (panel, title) in zip(axes, panels):
             for arm in panel:
-                _band(ax, setting, runs, arm, seeds, steps, key, smooth)
+                _band(ax, setting, runs, arm, seeds, steps, key, smooth, from_start)
+            if from_start:
+                ax.axhline(0.0, color="grey", lw=0.8)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
@@ -600,7 +611,7 @@ def main(argv=None):
     p.add_argument("--results_dir", default=None,
                    help="copy each finished run's metrics.jsonl / config.gin / command.txt here (e.g. docs/data/...)")
     p.add_argument("--img_dir", default="docs/img")
-    p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,reward,mismatch}.png")
+    p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with the setting's "
