@@ -611,7 +611,8 @@ def main(argv=None):
     p.add_argument("--results_dir", default=None,
                    help="copy each finished run's metrics.jsonl / config.gin / command.txt here (e.g. docs/data/...)")
     p.add_argument("--img_dir", default="docs/img")
-    p.add_argument("--plot_prefix", default="results", help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png")
+    p.add_argument("--plot_prefix", default="results",
+                   help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with the setting's "
