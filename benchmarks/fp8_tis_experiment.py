@@ -99,7 +99,8 @@ class Setting:
     reference_label: str = "bf16"
     reference_after_each_run: bool = False  # re-score as soon as a run ends, while its checkpoint is here
     # The arm whose own engine is the reference engine: its held-out score is already reference-served (a run
-    # whose checkpoint is gone still has it; bf16 seed 1 of SmolLM2: its re-score equals it, 20.3 %).
+    # whose checkpoint is gone still has it, and finish_run does not re-score it; bf16 seed 1 of SmolLM2: its
+    # re-score equalled it, 20.3 %).
     reference_arm: str | None = "bf16"
 
 
@@ -276,9 +277,11 @@ def copy_results(run_dir: Path, results_dir: Path) -> None:
 
 def finish_run(setting: Setting, run_dir: Path, steps: int, code_dir: Path, results_dir: Path | None) -> None:
     """A finished run: keep its step-`steps` checkpoint, re-score it with the reference engine where the setting
-    asks for that after each run (the checkpoint does not outlive the machine), copy its results."""
+    asks for that after each run (the checkpoint does not outlive the machine), copy its results. The reference
+    arm is not re-scored: its own held-out evaluation was served by the reference engine (reference_served)."""
     snapshot_checkpoint(run_dir, steps)
-    if setting.reference_after_each_run and not bf16_report_path(run_dir, steps).exists():
+    if (setting.reference_after_each_run and run_dir.parent.name != setting.reference_arm
+            and not bf16_report_path(run_dir, steps).exists()):
         print(f"[exp] {run_dir.parent.name} seed {run_dir.name[4:]}: {setting.reference_label} engine's "
               f"evaluation at step {steps}", flush=True)
         try:

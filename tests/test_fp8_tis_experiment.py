@@ -204,3 +204,16 @@ def test_an_arm_of_another_setting_is_one_line(exp):
     with pytest.raises(SystemExit) as e:
         exp.main(["--setting", "smollm2", "--arms", "fp8_seq_tis", "--aggregate_only"])
     assert "not an arm of --setting smollm2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_finishing_a_run_re_scores_quantized_arms_only(exp, tmp_path, monkeypatch):
+    # The reference arm's own evaluation is already served by the reference engine: re-scoring it would be a
+    # second identical evaluation (minutes); every other arm is re-scored once, and its results copied.
+    setting, rescored = exp.SETTINGS["smollm2"], []
+    monkeypatch.setattr(exp, "eval_bf16",
+                        lambda setting, run_dir, steps, code_dir: rescored.append(run_dir.parent.name))
+    for arm in ("bf16", "fp8"):
+        _write_run(tmp_path / "runs" / arm / "seed0", {0: 0.14, 5: 0.1, 10: 0.1, 15: 0.1, 20: 0.1})
+        exp.finish_run(setting, tmp_path / "runs" / arm / "seed0", 20, tmp_path, tmp_path / "results")
+        assert exp.is_finished(tmp_path / "results" / arm / "seed0", 20)
+    assert rescored == ["fp8"]
