@@ -614,8 +614,9 @@ def main(argv=None):
     p.add_argument("--results_dir", default=None,
                    help="copy each finished run's metrics.jsonl / config.gin / command.txt here (e.g. docs/data/...)")
     p.add_argument("--img_dir", default="docs/img")
-    p.add_argument("--plot_prefix", default="results",
-                   help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png")
+    p.add_argument("--plot_prefix", default=None,
+                   help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png (default: results for the "
+                        "toy, smollm2_fp8_tis for smollm2: the names docs/results.md shows)")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with the setting's "
@@ -682,7 +683,8 @@ def main(argv=None):
     summary = summarize(setting, runs, arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir, args.plot_prefix)]
+    plot_prefix = args.plot_prefix or ("results" if args.setting == "toy" else "smollm2_fp8_tis")
+    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir, plot_prefix)]
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary, setting.reference_label))
