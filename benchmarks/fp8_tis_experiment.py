@@ -102,6 +102,7 @@ class Setting:
     # whose checkpoint is gone still has it, and finish_run does not re-score it; bf16 seed 1 of SmolLM2: its
     # re-score equalled it, 20.3 %).
     reference_arm: str | None = "bf16"
+    plot_prefix: str = "results"  # --plot_prefix's default: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png
 
 
 SETTINGS = {
@@ -124,7 +125,7 @@ SETTINGS = {
         # Xeon (14.1 %) where the FP8 engine's is not (AMD 13.3 %, Xeon with AMX 8.6 %, Xeon with avx512_bf16 and
         # no AMX 10.9 %), so runs from any box compare on it.
         reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
-        reference_label="fp32", reference_after_each_run=True,
+        reference_label="fp32", reference_after_each_run=True, plot_prefix="smollm2_fp8_tis",
         arms={
             "bf16": ([], {"QUANTIZATION": "None", **UNQUANTIZED_FP32_ENGINE, **NO_CORRECTION},
                      "unquantized rollouts (bf16 weights, fp32 engine), no correction"),
@@ -615,8 +616,8 @@ def main(argv=None):
                    help="copy each finished run's metrics.jsonl / config.gin / command.txt here (e.g. docs/data/...)")
     p.add_argument("--img_dir", default="docs/img")
     p.add_argument("--plot_prefix", default=None,
-                   help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png (default: results for the "
-                        "toy, smollm2_fp8_tis for smollm2: the names docs/results.md shows)")
+                   help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png (default: the setting's, "
+                        "the names docs/results.md shows)")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with the setting's "
@@ -683,8 +684,8 @@ def main(argv=None):
     summary = summarize(setting, runs, arms, args.seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plot_prefix = args.plot_prefix or ("results" if args.setting == "toy" else "smollm2_fp8_tis")
-    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir, plot_prefix)]
+    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir,
+                                  args.plot_prefix or setting.plot_prefix)]
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary, setting.reference_label))
