@@ -281,8 +281,7 @@ def finish_run(setting: Setting, run_dir: Path, steps: int, code_dir: Path, resu
     asks for that after each run (the checkpoint does not outlive the machine), copy its results. The reference
     arm is not re-scored: its own held-out evaluation was served by the reference engine (reference_served)."""
     snapshot_checkpoint(run_dir, steps)
-    if (setting.reference_after_each_run and run_dir.parent.name != setting.reference_arm
-            and not bf16_report_path(run_dir, steps).exists()):
+    if setting.reference_after_each_run and needs_reference_score(setting, run_dir, steps):
         print(f"[exp] {run_dir.parent.name} seed {run_dir.name[4:]}: {setting.reference_label} engine's "
               f"evaluation at step {steps}", flush=True)
         try:
@@ -295,6 +294,12 @@ def finish_run(setting: Setting, run_dir: Path, steps: int, code_dir: Path, resu
 
 def bf16_report_path(run_dir: Path, steps: int) -> Path:
     return run_dir / f"eval_bf16_greedy_step{steps}.json"
+
+
+def needs_reference_score(setting: Setting, run_dir: Path, steps: int) -> bool:
+    """A finished run whose step-`steps` weights have no reference-engine score yet: not re-scored already, and
+    not the reference arm (its own held-out evaluation ran on the reference engine; see reference_served)."""
+    return run_dir.parent.name != setting.reference_arm and not bf16_report_path(run_dir, steps).exists()
 
 
 def reference_served(setting: Setting, arm: str, run_dir: Path, steps: int, heldout: dict[int, float]) -> float:
@@ -671,7 +676,7 @@ def main(argv=None):
         for seed in args.seeds:
             for arm in arms:
                 run_dir = out / arm / f"seed{seed}"
-                if is_finished(run_dir, args.steps) and not bf16_report_path(run_dir, args.steps).exists():
+                if is_finished(run_dir, args.steps) and needs_reference_score(setting, run_dir, args.steps):
                     print(f"[exp] {arm} seed {seed}: bf16 evaluation at step {args.steps}", flush=True)
                     try:
                         eval_bf16(setting, run_dir, args.steps, code_dir)

@@ -217,3 +217,16 @@ def test_finishing_a_run_re_scores_quantized_arms_only(exp, tmp_path, monkeypatc
         exp.finish_run(setting, tmp_path / "runs" / arm / "seed0", 20, tmp_path, tmp_path / "results")
         assert exp.is_finished(tmp_path / "results" / arm / "seed0", 20)
     assert rescored == ["fp8"]
+
+
+def test_eval_bf16_flag_re_scores_quantized_arms_only(exp, tmp_path, monkeypatch):
+    # --eval_bf16 (the toy's after-the-fact re-score of every finished run) skips the reference arm as finish_run
+    # does: its own held-out evaluation already ran on the reference engine, and the aggregate reads it from there.
+    rescored = []
+    monkeypatch.setattr(exp, "eval_bf16",
+                        lambda setting, run_dir, steps, code_dir: rescored.append(run_dir.parent.name))
+    for arm in ("bf16", "fp8"):
+        _write_run(tmp_path / "runs" / arm / "seed0", {0: 0.14, 10: 0.3, 20: 0.4})
+    exp.main(["--setting", "toy", "--arms", "bf16", "fp8", "--seeds", "0", "--steps", "20", "--aggregate_only",
+              "--eval_bf16", "--out", str(tmp_path / "runs"), "--img_dir", str(tmp_path / "img")])
+    assert rescored == ["fp8"]
