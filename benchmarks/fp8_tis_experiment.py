@@ -122,8 +122,8 @@ SETTINGS = {
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
         # The unquantized arm's fp32 engine: its greedy score of the start is the same on AMD EPYC and Intel
-        # Xeon (14.1 %) where the FP8 engine's is not (AMD 13.3 %, Xeon with AMX 8.6 %, Xeon with avx512_bf16 and
-        # no AMX 10.9 %), so runs from any box compare on it.
+        # Xeon (14.1 %) where the FP8 engine's is not (AMD without bf16 13.3 %, Xeon with AMX 8.6 %, avx512_bf16
+        # without AMX 10.9 %, Xeon and EPYC alike), so runs from any box compare on it.
         reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
         reference_label="fp32", reference_after_each_run=True, plot_prefix="smollm2_fp8_tis",
         arms={
@@ -239,16 +239,21 @@ def record_box(run_dir: Path, cpuinfo: str = "/proc/cpuinfo") -> None:
 
 
 def run_boxes(run_dir: Path) -> str:
-    """The CPU(s) a run ran on, for the runs table: 'Intel' / 'AMD' / 'Intel+AMD' (from boxes.txt), '?' if none."""
+    """The CPU(s) a run ran on, for the runs table, from boxes.txt: vendor and bf16 dot-product kind, the two
+    things that decide the FP8 engine's kernels ('AMD, no bf16', 'Intel, AMX', 'AMD, avx512_bf16'; segments on
+    other kinds joined by '+'), '?' if none recorded."""
     path = run_dir / "boxes.txt"
     if not path.is_file():
         return "?"
-    vendors = []
+    kinds = []
     for line in path.read_text().splitlines():
         vendor = "Intel" if "Intel" in line else "AMD" if "AMD" in line else "other"
-        if vendor not in vendors:
-            vendors.append(vendor)
-    return "+".join(vendors) or "?"
+        dot = line.split("bf16 dot products:", 1)[1].split()[0] if "bf16 dot products:" in line else "?"
+        bf16 = "AMX" if "amx_bf16" in dot else "avx512_bf16" if "avx512_bf16" in dot else "no bf16"
+        kind = f"{vendor}, {bf16 if dot != '?' else '?'}"
+        if kind not in kinds:
+            kinds.append(kind)
+    return " + ".join(kinds) or "?"
 
 
 def run_one(setting: Setting, arm: str, seed: int, steps: int, out: Path, model_path: Path, code_dir: Path) -> float:

@@ -195,9 +195,13 @@ def test_each_segment_of_a_run_records_its_cpu(exp, tmp_path):
     lines = (run / "boxes.txt").read_text().splitlines()
     assert len(lines) == 2 and "from step 0" in lines[0] and "AMD EPYC 7B13" in lines[0]
     assert "from step 20" in lines[1] and "Intel(R) Xeon(R)" in lines[1]
-    assert exp.run_boxes(run) == "AMD+Intel"
+    assert exp.run_boxes(run) == "AMD, no bf16 + Intel, AMX"
     exp.copy_results(run, results)
-    assert exp.run_boxes(results / "fp8" / "seed0") == "AMD+Intel"
+    assert exp.run_boxes(results / "fp8" / "seed0") == "AMD, no bf16 + Intel, AMX"
+    zen5 = tmp_path / "zen5"                               # an AMD box with bf16 dot products is its own kind
+    zen5.write_text(AMD.replace("AMD EPYC 7B13", "AMD EPYC").replace("fma", "fma avx512f avx512_bf16"))
+    exp.record_box(run, str(zen5))
+    assert exp.run_boxes(run) == "AMD, no bf16 + Intel, AMX + AMD, avx512_bf16"
 
 
 def test_an_arm_of_another_setting_is_one_line(exp):
