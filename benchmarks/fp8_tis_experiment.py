@@ -79,6 +79,12 @@ FAKE_QUANT_NO_CHUNKED_PREFILL = {"FAKE_QUANT_ENGINE_KWARGS": (
     "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False}, "
     "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
 
+# The SmolLM2 MXFP4 arms: the same fake-quantized (MXFP4-rounded) weights served by a float32 engine, as the
+# unquantized arm's, so the mismatch is the weights' rounding alone and does not depend on the box's bf16 kernels.
+FAKE_QUANT_FP32_ENGINE = {"FAKE_QUANT_ENGINE_KWARGS": (
+    "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False, 'dtype': 'float32'}, "
+    "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
+
 # The unquantized arm's engine computes in float32 on every CPU (the adapter's default is bf16 where the CPU has
 # bf16 dot products): the same reference whichever box a run lands on, and the fast one where bf16 GEMMs run
 # in software. It serves the same bf16 weights the push delivers.
@@ -132,12 +138,14 @@ SETTINGS = {
             "fp8": ([], NO_CORRECTION, "fp8_per_channel, no correction"),
             "fp8_token_tis": ([], {}, "fp8_per_channel + token TIS C=2"),
             "fp8_seq_mask": (SEQUENCE_MASK_TRL, {}, "fp8_per_channel + sequence mask C=3 (TRL's default)"),
-            "mxfp4": (FAKE_QUANT, {**NO_CORRECTION, **FAKE_QUANT_NO_CHUNKED_PREFILL}, "MXFP4 (fake-quant), no correction"),
+            "mxfp4": (FAKE_QUANT, {**NO_CORRECTION, **FAKE_QUANT_FP32_ENGINE},
+                      "MXFP4 weights (fake-quant, fp32 engine), no correction"),
+            "mxfp4_token_tis": (FAKE_QUANT, FAKE_QUANT_FP32_ENGINE, "MXFP4 weights (fake-quant, fp32 engine) + token TIS C=2"),
         },
         default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
 }
 COLORS = {"bf16": "black", "fp8": "tab:red", "fp8_token_tis": "tab:blue", "fp8_seq_tis": "tab:green",
-          "fp8_seq_mask": "tab:purple", "mxfp4": "tab:red", "mxfp4_token_tis": "tab:blue", "mxfp4_seq_tis": "tab:green"}
+          "fp8_seq_mask": "tab:purple", "mxfp4": "tab:orange", "mxfp4_token_tis": "tab:cyan", "mxfp4_seq_tis": "tab:green"}
 # vLLM-CPU beside other processes (the SmolLM2 recipe's header): unpinned OpenMP threads that sleep when idle.
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
 

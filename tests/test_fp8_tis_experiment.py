@@ -64,14 +64,17 @@ def test_smollm2_arms_change_only_precision_and_correction(exp):
     assert got["bf16"][1]["engine_init_kwargs"]["dtype"] == "float32"  # the same reference on every CPU
     for arm in ("fp8", "fp8_token_tis", "fp8_seq_mask"):
         assert got[arm][0] == "vllm" and got[arm][1]["engine_init_kwargs"]["quantization"] == "fp8_per_channel"
-    for arm in ("bf16", "fp8", "fp8_token_tis", "fp8_seq_mask", "mxfp4"):  # vLLM-CPU needs it off (the recipe)
+    for arm in ("bf16", "fp8", "fp8_token_tis", "fp8_seq_mask", "mxfp4", "mxfp4_token_tis"):  # vLLM-CPU needs it off
         init = got[arm][1].get("engine_init_kwargs") or got[arm][1]["engine_kwargs"]["engine_init_kwargs"]
         assert init["enable_chunked_prefill"] is False, arm
-    assert got["mxfp4"][0] == "fake_quant" and got["mxfp4"][1]["scheme"] == "mxfp4"
-    assert got["mxfp4"][1]["engine_kwargs"]["engine_init_kwargs"]["quantization"] is None
+    for arm in ("mxfp4", "mxfp4_token_tis"):  # MXFP4-rounded weights on the unquantized arm's fp32 engine
+        assert got[arm][0] == "fake_quant" and got[arm][1]["scheme"] == "mxfp4"
+        init = got[arm][1]["engine_kwargs"]["engine_init_kwargs"]
+        assert init["quantization"] is None and init["dtype"] == "float32", arm
 
     assert not got["bf16"][2].enabled and not got["fp8"][2].enabled and not got["mxfp4"][2].enabled
-    assert (got["fp8_token_tis"][2].mode, got["fp8_token_tis"][2].clip) == ("token", 2.0)
+    for arm in ("fp8_token_tis", "mxfp4_token_tis"):
+        assert (got[arm][2].mode, got[arm][2].clip) == ("token", 2.0), arm
     mask = got["fp8_seq_mask"][2]  # TRL 1.16's sequence_mask, C = 3: untruncated sequence IS, above C masked
     assert (mask.mode, mask.clip, mask.product_mask_low, mask.product_mask_high) == ("sequence", None, None, 3.0)
 
