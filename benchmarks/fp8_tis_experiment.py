@@ -140,7 +140,8 @@ SETTINGS = {
             "fp8_seq_mask": (SEQUENCE_MASK_TRL, {}, "fp8_per_channel + sequence mask C=3 (TRL's default)"),
             "mxfp4": (FAKE_QUANT, {**NO_CORRECTION, **FAKE_QUANT_FP32_ENGINE},
                       "MXFP4 weights (fake-quant, fp32 engine), no correction"),
-            "mxfp4_token_tis": (FAKE_QUANT, FAKE_QUANT_FP32_ENGINE, "MXFP4 weights (fake-quant, fp32 engine) + token TIS C=2"),
+            "mxfp4_token_tis": (FAKE_QUANT, FAKE_QUANT_FP32_ENGINE,
+                                "MXFP4 weights (fake-quant, fp32 engine) + token TIS C=2"),
         },
         default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
 }
