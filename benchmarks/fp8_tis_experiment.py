@@ -287,7 +287,8 @@ def copy_results(run_dir: Path, results_dir: Path) -> None:
             shutil.copy2(run_dir / name, dst / name)
     for report in run_dir.glob("eval_bf16_greedy_step*.json"):  # the summary only (records are large)
         summary = json.loads(report.read_text())
-        (dst / report.name).write_text(json.dumps({"accuracy": summary["accuracy"]}) + "\n")
+        kept = {k: summary[k] for k in ("accuracy", "mean_length", "num_problems") if k in summary}
+        (dst / report.name).write_text(json.dumps(kept) + "\n")
 
 
 def finish_run(setting: Setting, run_dir: Path, steps: int, code_dir: Path, results_dir: Path | None) -> None:

@@ -121,6 +121,8 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     _write_run(out / "fp8" / "seed0", heldout)
     _write_run(out / "fp8" / "seed1", {0: 0.10, 5: 0.1, 10: 0.2, 15: 0.2, 20: 0.15}, kl=0.06)
     _write_run(out / "fp8" / "seed2", {0: 0.10, 5: 0.2})          # unfinished: left out
+    report = {"accuracy": 0.3, "mean_length": 41.5, "num_problems": 128, "samples": [{"response": "x"}] * 128}
+    exp.bf16_report_path(out / "fp8" / "seed0", 20).write_text(json.dumps(report))
     runs = exp.finished_runs(out, None, ["fp8"], [0, 1, 2], 20)
     assert runs == {("fp8", 0): out / "fp8" / "seed0", ("fp8", 1): out / "fp8" / "seed1"}
     summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["fp8"], [0, 1, 2], 20)["fp8"]
@@ -134,6 +136,9 @@ def test_aggregation_finished_runs_only_and_results_copies(exp, tmp_path):
     assert math.isclose(st["final_heldout"]["std"], math.sqrt(2 * 0.1 ** 2))  # ddof = 1 over the two seeds
 
     exp.copy_results(out / "fp8" / "seed0", results)
+    # the reference engine's score and answer length are kept, its 128 records are not (they are large)
+    assert json.loads(exp.bf16_report_path(results / "fp8" / "seed0", 20).read_text()) == {
+        "accuracy": 0.3, "mean_length": 41.5, "num_problems": 128}
     assert (results / "fp8" / "seed0" / "metrics.jsonl").read_text() == (out / "fp8" / "seed0" / "metrics.jsonl").read_text()
     assert exp.is_finished(results / "fp8" / "seed0", 20) and not exp.is_finished(out / "fp8" / "seed2", 20)
     again = exp.summarize(exp.SETTINGS["smollm2"], exp.finished_runs(results, None, ["fp8"], [0, 1, 2], 20),
