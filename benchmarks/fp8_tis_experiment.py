@@ -177,6 +177,23 @@ def finished_runs(out: Path, results_dir: Path | None, arms: list[str], seeds: l
     return runs
 
 
+def report_scope(setting: "Setting", out: Path, results_dir: Path | None, arms: list[str], seeds: list[int],
+                 steps: int, aggregate_only: bool) -> tuple[list[str], list[int]]:
+    """The arms and seeds the closing table and plots cover. --aggregate_only: the ones asked for. After runs:
+    every arm and seed of the setting with a finished run here or in results_dir, so a session that runs a
+    few arms or seeds (--arms mxfp4 --seeds 0) rewrites the experiment's plots whole, not with its subset."""
+    if aggregate_only:
+        return arms, seeds
+    found = set(seeds)
+    for root in (out, *([results_dir] if results_dir else [])):
+        for run_dir in root.glob("*/seed*"):
+            if run_dir.parent.name in setting.arms and run_dir.name[4:].isdigit():
+                found.add(int(run_dir.name[4:]))
+    all_seeds = sorted(found)
+    done = finished_runs(out, results_dir, list(setting.arms), all_seeds, steps)
+    return [a for a in setting.arms if a in arms or any(arm == a for arm, _ in done)], all_seeds
+
+
 def tree_digest(path: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -700,17 +717,19 @@ def main(argv=None):
                     except subprocess.CalledProcessError as e:
                         print(f"[exp] {arm} seed {seed}: bf16 evaluation FAILED ({e})", flush=True)
 
-    runs = finished_runs(out, results_dir, arms, args.seeds, args.steps)
-    summary = summarize(setting, runs, arms, args.seeds, args.steps)
+    arms, seeds = report_scope(setting, out, results_dir, arms, args.seeds, args.steps,
+                               args.aggregate_only)
+    runs = finished_runs(out, results_dir, arms, seeds, args.steps)
+    summary = summarize(setting, runs, arms, seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(setting, runs, arms, args.seeds, args.steps, img_dir,
+    plots = [str(p) for p in plot(setting, runs, arms, seeds, args.steps, img_dir,
                                   args.plot_prefix or setting.plot_prefix)]
-    summary_json = {"setting": args.setting, "steps": args.steps, "seeds": args.seeds, "arms": summary, "plots": plots}
+    summary_json = {"setting": args.setting, "steps": args.steps, "seeds": seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary, setting.reference_label))
     print()
-    print(runs_table(setting, runs, arms, args.seeds, args.steps))
+    print(runs_table(setting, runs, arms, seeds, args.steps))
     print(f"[exp] summary: {out / f'summary_{args.steps}steps.json'}; plots: {', '.join(plots)}")
 
 

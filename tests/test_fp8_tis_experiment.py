@@ -242,3 +242,19 @@ def test_eval_bf16_flag_re_scores_quantized_arms_only(exp, tmp_path, monkeypatch
     exp.main(["--setting", "toy", "--arms", "bf16", "fp8", "--seeds", "0", "--steps", "20", "--aggregate_only",
               "--eval_bf16", "--out", str(tmp_path / "runs"), "--img_dir", str(tmp_path / "img")])
     assert rescored == ["fp8"]
+
+
+def test_a_run_of_a_few_arms_reports_the_whole_experiment(exp, tmp_path):
+    # A session that runs --arms mxfp4 --seeds 0 must not rewrite the experiment's plots and table with that
+    # subset: after runs, the report covers every arm and seed finished here or in the committed copies.
+    setting, out, results = exp.SETTINGS["smollm2"], tmp_path / "runs", tmp_path / "results"
+    full = {0: 0.1, 5: 0.1, 10: 0.1, 15: 0.1, 20: 0.1}
+    for arm in ("bf16", "fp8"):
+        for seed in (0, 1, 2):
+            _write_run(results / arm / f"seed{seed}", full)
+    _write_run(out / "mxfp4" / "seed0", full)
+    _write_run(out / "mxfp4_token_tis" / "seed0", {0: 0.1, 5: 0.1})   # unfinished: not an arm of the report
+    arms, seeds = exp.report_scope(setting, out, results, ["mxfp4"], [0], 20, aggregate_only=False)
+    assert arms == ["bf16", "fp8", "mxfp4"] and seeds == [0, 1, 2]
+    # --aggregate_only reports exactly what was asked for
+    assert exp.report_scope(setting, out, results, ["mxfp4"], [0], 20, aggregate_only=True) == (["mxfp4"], [0])
