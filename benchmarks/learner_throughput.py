@@ -133,7 +133,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
     zeros = [[0.0] * len(r) for r in rollouts["responses"]]
     view = pack_rollouts(rollouts["prompts"], rollouts["responses"], zeros, rollouts["advantages"])
     # The behaviour policy is the learner itself: rollout logprobs := its own, so TIS weights are 1.
-    old = learner.prepare(view).old_logprobs
+    old = learner.old_logprobs(view)  # (prepare leaves the first mini-batch's to its update: rl/learner.py)
     view["rollout_logprobs"] = np.where(view["response_mask"] > 0, old, 0.0).astype(np.float32)
     prepared = learner.prepare(view)
 

@@ -95,7 +95,8 @@ def main():
     arms = {"unshared": learner(args, cfg, False), "shared": learner(args, cfg, True)}
     first = {name: l.prepare(batch) for name, l in arms.items()}
     mask = batch["response_mask"] > 0
-    old_diff = float(np.abs(first["shared"].old_logprobs - first["unshared"].old_logprobs)[mask].max())
+    old = {name: l.old_logprobs(batch) for name, l in arms.items()}  # every mini-batch's (prepare skips the first's)
+    old_diff = float(np.abs(old["shared"] - old["unshared"])[mask].max())
     updates = {name: arms[name].update(first[name]) for name in arms}      # the warm-up (compile) call
     times = {name: [] for name in arms}
     for _ in range(args.reps):

@@ -2,7 +2,8 @@
 
 One step (docs/training.md):
     prompts (task, seeded by step) → engine samples n responses with rollout logprobs → rewards →
-    dynamic sampling → overlong shaping → group advantages → learner recomputes old logprobs →
+    dynamic sampling → overlong shaping → group advantages → learner recomputes old logprobs (the first
+    mini-batch's from its own update's forward) →
     rollout correction (tis/) → mini-batch PPO updates → push weights to the engine → post-sync probe.
 
 `train()` is a plain keyword-only function; gin fills its arguments (gin_utils registers it). Rerunning

@@ -3,6 +3,8 @@ refused, and a true bypass mode.
 
     bypass:     old := rollout logprobs, no forward pass in prepare, no correction weight in the loss
     decoupled:  old := the learner's recomputation (one forward per micro-batch), then the correction
+    on-policy:  decoupled, but the first mini-batch's old logprobs are its update's own forward (stop-gradient):
+                one forward fewer, the same update, weights and tis/* metrics as recomputing
 
 Forward passes are counted on the learner's own jitted logprob functions (wrapped, still run).
 """
@@ -15,6 +17,7 @@ from flax import nnx
 
 from portable_rl import tis
 from portable_rl.errors import ConfigError
+from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl import learner as learner_lib
 from portable_rl.rl.dapo import DapoConfig
@@ -25,11 +28,13 @@ NONE = tis.RolloutCorrectionConfig(mode="none")
 TOKEN_TIS = tis.RolloutCorrectionConfig(mode="token", clip=2.0)
 
 
-def make_learner(mode="decoupled", correction=NONE):
+def make_learner(mode="decoupled", correction=NONE, from_update=False, mini_batch_size=3, ppo_epochs=1, memory=None):
+    """`from_update`: LossConfig.old_logprobs_from_update (off here unless asked: these tests count the
+    recompute's forward passes)."""
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    alg = DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=4, max_response_tokens=32,
-                     policy_loss_mode=mode)
-    return Learner(model, nnx.Optimizer(model, TX, wrt=nnx.Param), alg, correction)
+    alg = DapoConfig(prompt_batch_size=3, mini_batch_size=mini_batch_size, n_samples=4, max_response_tokens=32,
+                     policy_loss_mode=mode, old_logprobs_from_update=from_update, ppo_epochs=ppo_epochs)
+    return Learner(model, nnx.Optimizer(model, TX, wrt=nnx.Param), alg, correction, memory=memory)
 
 
 def count_forwards(learner):
@@ -144,3 +149,51 @@ def test_correct_is_a_deprecated_alias_of_prepare(batch, monkeypatch):
     with pytest.warns(FutureWarning, match="Learner.prepare"):
         old = learner.correct(batch)
     np.testing.assert_array_equal(old.old_logprobs, learner.prepare(batch).old_logprobs)
+
+
+@pytest.mark.parametrize("mini_batch_size,ppo_epochs,max_tokens", [(3, 1, None), (3, 1, 48), (1, 2, None)],
+                         ids=["one-mini-batch", "micro-batches", "three-mini-batches-two-epochs"])
+def test_on_policy_first_mini_batch_skips_its_forward_and_equals_recompute(batch, mini_batch_size, ppo_epochs,
+                                                                           max_tokens):
+    """old_logprobs_from_update: the first mini-batch's old logprobs come from its update's forward, so prepare
+    runs forwards only for the other mini-batches, and the update, the old logprobs, the TIS weights (sequence
+    1's rollout logprobs are 3 nats high: weights < 1 there) and the tis/* metrics equal the recompute's."""
+    memory = MemoryConfig(max_tokens_per_micro_batch=max_tokens, logprob_chunk_tokens=None)
+    runs = {}
+    for from_update in (False, True):
+        learner = make_learner("decoupled", TOKEN_TIS, from_update, mini_batch_size, ppo_epochs, memory)
+        calls = count_forwards(learner)
+        before = params(learner)
+        prepared = learner.prepare(batch)
+        forwards = len(calls)
+        metrics = {**prepared.metrics, **learner.update(prepared)}
+        runs[from_update] = (before, params(learner), prepared, metrics, forwards, len(calls) - forwards)
+    (before, want, ref, ref_metrics, ref_forwards, _), (_, got, fused, metrics, forwards, later) = runs[False], runs[True]
+    first = ref.micro_batches[0]
+    assert forwards == ref_forwards - len(first) and later == 0   # one forward per micro-batch saved, none added
+    assert max(len(mini) for mini in ref.micro_batches) == 1 or max_tokens  # grad accumulation when budgeted
+    assert len(first) > 1 or not max_tokens
+    moved = max_diff(want, before)
+    assert moved > 1e-3 and max_diff(got, want) <= 1e-5 * moved
+    mask = batch["response_mask"] > 0
+    np.testing.assert_allclose(fused.old_logprobs[mask], ref.old_logprobs[mask], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused.tis_weights, ref.tis_weights, rtol=1e-5, atol=1e-6)
+    assert (ref.tis_weights[1][mask[1]] < 1).all()
+    assert metrics.keys() == ref_metrics.keys() and "tis/kl" in metrics
+    for k, v in ref_metrics.items():
+        if not k.startswith("time/"):
+            assert metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_on_policy_first_needs_a_token_local_correction(batch):
+    """A sequence-level weight or any mask needs every token's old logprob before the update: recomputed."""
+    for correction in (tis.RolloutCorrectionConfig(mode="sequence", clip=3.0),
+                       tis.RolloutCorrectionConfig(mode="token", clip=2.0, token_mask_low=0.5),
+                       tis.RolloutCorrectionConfig(mode="token", clip=2.0, self_normalize=True)):
+        learner = make_learner("decoupled", correction, from_update=True)
+        calls = count_forwards(learner)
+        prepared = learner.prepare(batch)
+        assert not learner.on_policy_first and prepared.on_policy is None
+        assert len(calls) == prepared.metrics["batch/micro_batches"] and "tis/kl" in prepared.metrics
+    assert make_learner("decoupled", TOKEN_TIS, from_update=True).on_policy_first
+    assert not make_learner("bypass", NONE, from_update=True).on_policy_first

@@ -20,6 +20,9 @@ DEFAULTS_BEFORE_SPLIT = dict(
     loss_norm_constant=None, policy_loss_mode="decoupled", min_seq_bucket=16, max_nonfinite_fraction=0.01)
 # added since the split, with defaults that keep the old behaviour (full-vocabulary sampling)
 DEFAULTS_BEFORE_SPLIT.update(top_p=1.0, top_k=-1)
+# the first mini-batch's old logprobs from its own update's forward: the same values, one forward fewer
+# (tests/test_learner_step.py checks the equality)
+DEFAULTS_BEFORE_SPLIT.update(old_logprobs_from_update=True)
 
 
 def test_dapo_config_is_the_disjoint_union_of_the_parts_with_the_old_defaults():

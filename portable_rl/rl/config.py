@@ -96,6 +96,10 @@ class LossConfig:
     # "decoupled": old logprobs recomputed, rollout correction applied | "bypass": old := rollout, no recompute,
     # no correction weights (rl/learner.py)
     policy_loss_mode: str = "decoupled"
+    # decoupled: the first mini-batch's old logprobs are its own update's forward pass (stop-gradient; the
+    # policy has not moved yet), one forward pass fewer per step; only with a token-local correction (token or
+    # no TIS, no masks, no self-normalization), else recomputed like the others (rl/learner.py)
+    old_logprobs_from_update: bool = True
 
     def __post_init__(self):
         from portable_rl.learner_jax.losses import AGGREGATIONS  # the loss owns the list; checked here, at config time

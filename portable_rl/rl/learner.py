@@ -40,6 +40,18 @@ and the optimizer runs once per mini-batch (`step.make_apply_step`); with one mi
 `step.make_train_step` runs instead. Since ω comes from the whole mini-batch, every layout computes the
 same update (tests/test_micro_batches.py, tests/test_memory_equivalence.py).
 
+On-policy first mini-batch (`LossConfig.old_logprobs_from_update`, decoupled mode, ppo_epochs pass 1): no
+update has run yet when the first non-empty mini-batch trains, so its old logprobs are the update's own
+forward pass, stop-gradient (verl's `on_policy` shortcut), and `prepare` skips that forward:
+
+    old_t = stop_gradient(new_t),  ratio_t = 1,  w_t, keep_t = tis.apply_rollout_correction(cfg, old, rollout)
+
+inside the jitted step. Only for a token-local correction (`RolloutCorrectionConfig.token_local`: token or
+no TIS, no masks, no self-normalization): w_t needs only token t, and keep = the response mask, so ω is
+known before the forward. The update writes those old logprobs and weights back into the PreparedBatch
+(for the later ppo_epochs passes and the view) and returns the `tis/*` metrics, computed on the whole view
+as `prepare` would (tests/test_learner_step.py: the same update and metrics as recomputing).
+
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
 every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
 mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arrays.
@@ -92,11 +104,22 @@ def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
                              sampling_support=batch.get(_SUPPORT))
 
 
-def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
+def make_loss_fn(cfg, temperature: float, chunk_tokens=None, on_policy_correction=None):
     """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
-    and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings."""
+    and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings.
+
+    `on_policy_correction` (a token-local `tis.RolloutCorrectionConfig`): the batch's old logprobs are this
+    forward pass's, stop-gradient, and its TIS weights are computed here from them (module doc); both are
+    returned among the metrics as [R, L] arrays (`_ON_POLICY_ARRAYS`)."""
     def loss_fn(model, batch):
         new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
+        arrays = {}
+        if on_policy_correction is not None:
+            old = jax.lax.stop_gradient(new_logp) * batch["response_mask"]             # [R, L]
+            weights, _, _ = tis.apply_rollout_correction(on_policy_correction, old, batch["rollout_logprobs"],
+                                                         batch["response_mask"])
+            batch = dict(batch, old_logprobs=old, tis_weights=weights)
+            arrays = {"old_logprobs": old, "tis_weights": weights}
         mask = batch["response_mask"] * batch["keep_mask"]                          # [R, L]
         loss, metrics = policy_loss(
             new_logp, batch["old_logprobs"], batch["advantages"], mask,
@@ -109,11 +132,12 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None):
         sums = {k: v if k in _MAX_METRICS else v * tokens for k, v in metrics.items()}
         valid = batch["response_mask"] > 0
         sums.update(entropy=jnp.where(valid, entropy, 0.0).sum(), entropy_tokens=valid.sum().astype(jnp.float32),
-                    tokens=tokens)
+                    tokens=tokens, **arrays)
         return loss, sums
     return loss_fn
 
 
+_ON_POLICY_ARRAYS = ("old_logprobs", "tis_weights")  # [R, L] outputs of an on-policy step, not metrics
 _LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode")
 
 
@@ -122,11 +146,13 @@ def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correctio
     """The learner's jitted functions, shared by learners whose loss settings agree (the aggregation is
     host-side, in the token weights), so a second learner of the same model reuses the compilations."""
     loss_fn = make_loss_fn(settings, temperature, chunk_tokens)
+    on_policy_fn = make_loss_fn(settings, temperature, chunk_tokens, on_policy_correction=correction)
     return dict(
         logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature, chunk_tokens=chunk_tokens)[0]),
         row_logprobs=nnx.jit(lambda m, b: row_logprobs(m, b, temperature, chunk_tokens)[0]),
         correct=jax.jit(functools.partial(tis.apply_rollout_correction, correction)),
-        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
+        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step(),
+        on_policy_train_step=make_train_step(on_policy_fn), on_policy_grad_step=make_grad_step(on_policy_fn))
 
 
 def combine_metrics(parts: list[dict]) -> dict:
@@ -149,13 +175,20 @@ class PreparedBatch:
     """What `Learner.prepare` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
     old_logprobs, tis_weights, keep_mask, token_weights), the per-sequence views [N, T] of the
     correction, and the `tis/*` + `batch/*` metrics. `policy_version`: the learner's update count when
-    the old logprobs were computed (None in bypass: they are the rollout's, of no learner policy)."""
+    the old logprobs were computed (None in bypass: they are the rollout's, of no learner policy).
+    `on_policy`: the index of the mini-batch whose old logprobs and weights its update computes (module
+    doc; their entries here are 0 until `update` writes them), with its `layouts`, the view's
+    `rollout_logprobs` and `response_mask`; None: everything was computed here."""
     micro_batches: list[list[dict]]
     old_logprobs: np.ndarray
     tis_weights: np.ndarray
     keep_mask: np.ndarray
     metrics: dict
     policy_version: int | None = None
+    on_policy: int | None = None
+    layouts: list | None = None
+    rollout_logprobs: np.ndarray | None = None
+    response_mask: np.ndarray | None = None
 
 
 class Learner:
@@ -190,6 +223,10 @@ class Learner:
                       cfg.generation.temperature, self.memory.logprob_chunk_tokens, correction)
         self._logprobs, self._row_logprobs, self._correct = fns["logprobs"], fns["row_logprobs"], fns["correct"]
         self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
+        self._on_policy_steps = (fns["on_policy_train_step"], fns["on_policy_grad_step"])
+        # the first mini-batch's old logprobs from its own update (module doc): decoupled, token-local correction
+        self.on_policy_first = (not self.bypass and cfg.loss.old_logprobs_from_update
+                                and correction.token_local)
 
     # ------------------------------------------------------------------------------ layout
     def micro_layouts(self, batch: dict) -> list[list[batching.Layout]]:
@@ -272,13 +309,13 @@ class Learner:
         view._logprobs = wrap(self._logprobs)
         return view
 
-    def old_logprobs(self, batch: dict, layouts=None) -> np.ndarray:
+    def old_logprobs(self, batch: dict, layouts=None, skip: int | None = None) -> np.ndarray:
         """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the
-        update's micro-batches (0 off the response mask)."""
+        update's micro-batches (0 off the response mask, and on mini-batch `skip`'s sequences)."""
         layouts = self.micro_layouts(batch) if layouts is None else layouts
         view = _view(batch)
         old = np.zeros(batch["input_ids"].shape, np.float32)
-        for layout in (lay for mini in layouts for lay in mini):
+        for layout in (lay for i, mini in enumerate(layouts) if i != skip for lay in mini):
             rows = layout.arrays(view)
             with self._on_mesh():
                 logp = self._row_logprobs(self.model, self._device(
@@ -292,16 +329,22 @@ class Learner:
         `batching.pack_rollouts` per-sequence view, not modified) → the `PreparedBatch` `update` takes.
 
         Decoupled: old logprobs from one forward pass per micro-batch of the current policy, then the
-        correction. Bypass: old := rollout logprobs, weights 1, nothing rejected, no forward pass."""
+        correction; with `on_policy_first`, not for the first non-empty mini-batch (its update computes
+        them, and the `tis/*` metrics come from `update`). Bypass: old := rollout logprobs, weights 1,
+        nothing rejected, no forward pass."""
         layouts = self.micro_layouts(batch)
         mask = np.asarray(batch["response_mask"], np.float32)
+        on_policy = next((i for i, mini in enumerate(layouts) if mini), None) if self.on_policy_first else None
         if self.bypass:
             old = np.asarray(batch["rollout_logprobs"], np.float32) * mask
             weights, keep, metrics = mask.copy(), np.ones_like(mask), {}
         else:
-            old = self.old_logprobs(batch, layouts)
+            old = self.old_logprobs(batch, layouts, skip=on_policy)
             weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
-            weights, keep = np.asarray(weights), np.asarray(keep)
+            weights, keep = np.array(weights), np.asarray(keep)
+            if on_policy is not None:  # token-local: keep is the mask; the update fills in these rows' weights
+                weights[np.unique(np.concatenate([lay.seq for lay in layouts[on_policy]]))] = 0.0
+                metrics = {}
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
         view = _view(batch)
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
@@ -327,7 +370,10 @@ class Learner:
                     "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
                     "batch/micro_batches": sum(len(m) for m in layouts)})
         return PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
-                             metrics=out, policy_version=None if self.bypass else self.updates)
+                             metrics=out, policy_version=None if self.bypass else self.updates,
+                             on_policy=on_policy, layouts=layouts if on_policy is not None else None,
+                             rollout_logprobs=batch["rollout_logprobs"] if on_policy is not None else None,
+                             response_mask=batch["response_mask"] if on_policy is not None else None)
 
     def correct(self, batch: dict) -> PreparedBatch:
         """Deprecated name of `prepare` (kept one release)."""
@@ -353,26 +399,42 @@ class Learner:
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
                              "update(s) ran since; prepare it again right before updating (Learner.step does both)")
         self.updates += 1
-        history = []
-        for _ in range(self.cfg.loss.ppo_epochs):
-            for micro in prepared.micro_batches:
+        history, tis_metrics = [], {}
+        for epoch in range(self.cfg.loss.ppo_epochs):
+            for index, micro in enumerate(prepared.micro_batches):
                 if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue
+                on_policy = epoch == 0 and index == prepared.on_policy  # old logprobs: this forward's (module doc)
+                train_step, grad_step = self._on_policy_steps if on_policy else (self._train_step, self._grad_step)
                 with self._on_mesh():
                     if len(micro) == 1:
-                        parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
+                        parts = [train_step(self.model, self.optimizer, self._device(micro[0]))]
                         applied = parts[0]
                     else:
                         grads, parts = zero_grads(self.model), []
                         for mb in micro:
-                            grads, m = self._grad_step(self.model, self._device(mb), grads)
+                            grads, m = grad_step(self.model, self._device(mb), grads)
                             parts.append(m)
                         applied = self._apply_step(self.model, self.optimizer, grads)
+                if on_policy:
+                    tis_metrics = self._fill_on_policy(prepared, index, parts)
                 parts = jax.device_get(parts)
                 update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
                 update.update({k: float(v) for k, v in jax.device_get(applied).items()
                                if k in ("grad_norm", "learning_rate")})
                 history.append(update)
         if not history:
-            return {}
-        return {f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
+            return tis_metrics
+        return {**tis_metrics, **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}}
+
+    def _fill_on_policy(self, prepared: PreparedBatch, index: int, parts: list[dict]) -> dict:
+        """Writes the old logprobs and TIS weights an on-policy update computed (popped from `parts`) into
+        its micro-batches and the PreparedBatch's views; returns the `tis/*` metrics of the whole view."""
+        for mb, layout, part in zip(prepared.micro_batches[index], prepared.layouts[index], parts):
+            for key in _ON_POLICY_ARRAYS:
+                rows = to_host(part.pop(key))
+                mb[key] = rows
+                layout.to_view(rows, prepared.old_logprobs if key == "old_logprobs" else prepared.tis_weights)
+        prepared.on_policy = None  # filled: a later pass (ppo_epochs > 1) uses these like recomputed ones
+        _, _, metrics = self._correct(prepared.old_logprobs, prepared.rollout_logprobs, prepared.response_mask)
+        return {f"tis/{k}": float(v) for k, v in metrics.items()}
