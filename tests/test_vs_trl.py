@@ -92,3 +92,15 @@ def test_reuse_trl_compares_a_cut_run_at_its_snapshot(vs_trl, tmp_path):
 def test_prompts_not_a_multiple_of_the_mini_batch_name_the_fix(vs_trl):
     with pytest.raises(ValueError, match="multiple of mini_batch_size"):
         vs_trl.load_setting(vs_trl.parse_args(["--prompts_per_step", "6"]))
+
+
+def test_trl_precision_auto_follows_the_cpu_and_names_itself(vs_trl, monkeypatch):
+    from portable_rl.engines import cpu_features
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx512f", "avx512_bf16"})
+    assert vs_trl.parse_args([]).trl_precision == "bf16_autocast"
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx2"})
+    assert vs_trl.parse_args([]).trl_precision == "fp32"
+    assert vs_trl.parse_args(["--trl_precision", "bf16"]).trl_precision == "bf16"  # an explicit choice wins
+    d = vs_trl.trl_description(False, "bf16_autocast")
+    assert d["trl_precision"] == "bf16_autocast" and "bf16 autocast" in d["learner"] and "bf16" in d["rollouts"]
+    assert vs_trl.TRL_PRECISIONS["bf16"][:2] == ("bfloat16", True)
