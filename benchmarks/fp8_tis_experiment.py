@@ -103,7 +103,7 @@ class Setting:
     # whose checkpoint is gone still has it, and finish_run does not re-score it; bf16 seed 1 of SmolLM2: its
     # re-score equalled it, 20.3 %).
     reference_arm: str | None = "bf16"
-    plot_prefix: str = "results"  # --plot_prefix's default: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png
+    plot_prefix: str = "results"  # --plot_prefix's default: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch,served}.png
 
 
 SETTINGS = {
@@ -567,6 +567,51 @@ def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], s
     return written
 
 
+def plot_served(setting: Setting, summary: dict, arms: list[str], steps: int, img_dir: Path,
+                prefix: str = "results") -> list[Path]:
+    """<prefix>_served.png: each run's final held-out accuracy on its own engine and on the reference engine
+    (`Setting.reference_label`, the unquantized arm's), beside the reference engine's score of the start: what
+    the learner's own weights can do, which the own-engine curves of the other plots do not show."""
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = [a for a in arms if a in summary and any(
+        not math.isnan(summary[a]["per_seed"][k]["final_heldout_bf16_served"]) for k in summary[a]["per_seed"])]
+    if not scored:
+        return []
+    fig, ax = plt.subplots(figsize=(1.7 * len(scored) + 2.5, 4.2))
+    for x, arm in enumerate(scored):
+        per_seed = summary[arm]["per_seed"]
+        own = [per_seed[k]["final_heldout"] * 100 for k in per_seed]
+        served = [per_seed[k]["final_heldout_bf16_served"] * 100 for k in per_seed
+                  if not math.isnan(per_seed[k]["final_heldout_bf16_served"])]
+        ax.scatter([x - 0.12] * len(own), own, facecolors="none", edgecolors=COLORS.get(arm, "k"),
+                   label="own engine" if x == 0 else None)
+        ax.scatter([x + 0.12] * len(served), served, color=COLORS.get(arm, "k"),
+                   label=f"{setting.reference_label} engine" if x == 0 else None)
+        if served:
+            ax.hlines(sum(served) / len(served), x + 0.02, x + 0.22, color=COLORS.get(arm, "k"))
+    if "bf16" in summary:  # the reference engine's score of the common start
+        starts = [summary["bf16"]["per_seed"][k]["start_heldout"] * 100 for k in summary["bf16"]["per_seed"]]
+        ax.axhline(sum(starts) / len(starts), color="grey", ls=":", lw=1,
+                   label=f"start, {setting.reference_label} engine")
+    ax.set_xticks(range(len(scored)), [setting.arms[a][2].replace(", ", ",\n").replace(" + ", "\n+ ")
+                                       for a in scored], fontsize=7)
+    ax.set_ylabel(f"held-out greedy accuracy at step {steps} (%)")
+    ax.set_title(f"final weights of each run, served by their own engine (hollow) and by the "
+                 f"{setting.reference_label} engine (filled; bar = mean)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = img_dir / f"{prefix}_served.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
 def _moving(values: dict[int, float], steps: list[int], window: int) -> list[float]:
     out = []
     for i in range(len(steps)):
@@ -720,8 +765,9 @@ def main(argv=None):
     summary = summarize(setting, runs, arms, seeds, args.steps)
     img_dir = REPO / args.img_dir
     img_dir.mkdir(parents=True, exist_ok=True)
-    plots = [str(p) for p in plot(setting, runs, arms, seeds, args.steps, img_dir,
-                                  args.plot_prefix or setting.plot_prefix)]
+    prefix = args.plot_prefix or setting.plot_prefix
+    plots = [str(p) for p in plot(setting, runs, arms, seeds, args.steps, img_dir, prefix)
+             + plot_served(setting, summary, arms, args.steps, img_dir, prefix)]
     summary_json = {"setting": args.setting, "steps": args.steps, "seeds": seeds, "arms": summary, "plots": plots}
     (out / f"summary_{args.steps}steps.json").write_text(json.dumps(summary_json, indent=2))
     print(markdown_table(summary, setting.reference_label))

@@ -258,3 +258,18 @@ def test_a_run_of_a_few_arms_reports_the_whole_experiment(exp, tmp_path):
     assert arms == ["bf16", "fp8", "mxfp4"] and seeds == [0, 1, 2]
     # --aggregate_only reports exactly what was asked for
     assert exp.report_scope(setting, out, results, ["mxfp4"], [0], 20, aggregate_only=True) == (["mxfp4"], [0])
+
+
+def test_served_plot_shows_the_runs_with_a_reference_score(exp, tmp_path):
+    out, img = tmp_path / "runs", tmp_path / "img"
+    img.mkdir()
+    _write_run(out / "bf16" / "seed0", {0: 0.14, 5: 0.1, 10: 0.1, 15: 0.1, 20: 0.2})
+    _write_run(out / "mxfp4" / "seed0", {0: 0.02, 5: 0.03, 10: 0.04, 15: 0.05, 20: 0.06})
+    runs = exp.finished_runs(out, None, ["bf16", "mxfp4"], [0], 20)
+    summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["bf16", "mxfp4"], [0], 20)
+    assert exp.plot_served(exp.SETTINGS["smollm2"], {"mxfp4": summary["mxfp4"]}, ["mxfp4"], 20, img) == []  # no score
+    exp.bf16_report_path(out / "mxfp4" / "seed0", 20).write_text(json.dumps({"accuracy": 0.03}))
+    summary = exp.summarize(exp.SETTINGS["smollm2"], runs, ["bf16", "mxfp4"], [0], 20)
+    assert summary["mxfp4"]["per_seed"][0]["final_heldout_bf16_served"] == 0.03
+    [path] = exp.plot_served(exp.SETTINGS["smollm2"], summary, ["bf16", "mxfp4"], 20, img, prefix="t")
+    assert path == img / "t_served.png" and path.stat().st_size > 10_000
