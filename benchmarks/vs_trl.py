@@ -61,7 +61,7 @@ What differs (TRL cannot run the same setting; the nearest is run):
   TRL's token-mean denominator).
 * **Correction.** Ours: token TIS C = 2 against recomputed old logprobs; TRL: none (its sequence mask
   C = 3 needs vLLM logprobs).
-* **Learner layout.** Ours: the recipe's memory knobs (packed rows, shared prompts, remat 'full',
+* **Learner layout.** Ours: the recipe's memory knobs (packed rows, shared prompts, blockwise attention, remat 'full',
   1024-token micro-batches, 512-token head chunks); TRL runs its defaults with B completions per
   forward/backward.
 
