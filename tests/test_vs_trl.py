@@ -23,7 +23,8 @@ def vs_trl():
 
 
 def test_setting_is_the_recipe_with_the_overrides(vs_trl):
-    args = vs_trl.parse_args(["--steps", "2", "--eval_size", "4", "--n_samples", "4", "--max_tokens", "32"])
+    args = vs_trl.parse_args(["--steps", "2", "--eval_size", "4", "--n_samples", "4", "--max_tokens", "32",
+                              "--ours_learner", "fp32"])
     s = vs_trl.load_setting(args)   # converts the SmolLM2 GGUF when the checkpoint is missing (seconds)
     # from gin/recipes/smollm2_arith_fp8.gin
     assert (s["prompts_per_step"], s["mini_batch_size"], s["temperature"]) == (8, 4, 0.6)
@@ -102,9 +103,9 @@ def test_prompts_not_a_multiple_of_the_mini_batch_name_the_fix(vs_trl):
 def test_trl_precision_auto_follows_the_cpu_and_names_itself(vs_trl, monkeypatch):
     from portable_rl.engines import cpu_features
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx512f", "avx512_bf16"})
-    assert vs_trl.parse_args([]).trl_precision == "bf16_autocast"
+    assert vs_trl.parse_args([]).trl_precision == "bf16_autocast" and vs_trl.parse_args([]).ours_learner == "recipe"
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx2"})
-    assert vs_trl.parse_args([]).trl_precision == "fp32"
+    assert vs_trl.parse_args([]).trl_precision == "fp32" and vs_trl.parse_args([]).ours_learner == "fp32"
     assert vs_trl.parse_args(["--trl_precision", "bf16"]).trl_precision == "bf16"  # an explicit choice wins
     d = vs_trl.trl_description(False, "bf16_autocast")
     assert d["trl_precision"] == "bf16_autocast" and "bf16 autocast" in d["learner"] and "bf16" in d["rollouts"]
