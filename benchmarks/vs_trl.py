@@ -106,7 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours_rollouts", choices=("unquantized", "fp8"), default="unquantized",
                    help="ours' engine: unquantized (the CPU's fastest dtype) or the recipe's fp8_per_channel")
     p.add_argument("--ours_learner", choices=("auto", "fp32", "recipe"), default="auto",
-                   help="auto: recipe where the CPU has bf16 dot products, else fp32; fp32: float32 math on the served bf16 params (fp32 masters); recipe: its bf16 math")
+                   help="auto: recipe where the CPU has bf16 dot products, else fp32; fp32: float32 math on "
+                        "the served bf16 params (fp32 masters); recipe: its bf16 math")
     p.add_argument("--ours_remat", choices=("recipe", "none"), default="recipe",
                    help="recipe: its remat 'full'; none: no recompute (same micro-batches; a box to itself)")
     p.add_argument("--ours_gin", action="append", default=[], metavar="NAME=VALUE",

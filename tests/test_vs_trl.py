@@ -42,8 +42,8 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
                                                    "--ours_remat", "none"])) == ["--gin.train.remat='none'"]
-    assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "train.attention_impl='blockwise'"])
-                                ) == ["--gin.QUANTIZATION=None", "--gin.train.attention_impl='blockwise'"]
+    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "train.attention_impl='blockwise'"])
+    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.train.attention_impl='blockwise'"]
 
 
 @pytest.mark.parametrize("argv, fix", [
