@@ -407,7 +407,8 @@ def trl_child(args, setting: dict, out: Path) -> None:
               # logged once per generation batch, i.e. once per RL step
               "train_reward_mean": [float(l["rewards/correctness/mean"]) for l in clock.logs
                                     if "rewards/correctness/mean" in l],
-              **trl_description(use_vllm, args.trl_precision), "optimizer_steps_per_rl_step": updates_per_step, "per_device_batch": B}
+              **trl_description(use_vllm, args.trl_precision), "optimizer_steps_per_rl_step": updates_per_step,
+              "per_device_batch": B}
     (run_dir / "result.json").write_text(json.dumps(result) + "\n")
 
 
