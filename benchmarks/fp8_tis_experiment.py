@@ -572,8 +572,6 @@ def plot_served(setting: Setting, summary: dict, arms: list[str], steps: int, im
     """<prefix>_served.png: each run's final held-out accuracy on its own engine and on the reference engine
     (`Setting.reference_label`, the unquantized arm's), beside the reference engine's score of the start: what
     the learner's own weights can do, which the own-engine curves of the other plots do not show."""
-    import math
-
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -89,18 +89,22 @@ class RolloutCorrectionConfig:
         return getattr(self, f"{name}_low") is not None or getattr(self, f"{name}_high") is not None
 
     @property
+    def any_mask(self) -> bool:
+        """True when some mask or veto can reject tokens or sequences."""
+        return any(self.mask_enabled(n) for n in ("token_mask", "geo_mask", "product_mask", "veto"))
+
+    @property
     def enabled(self) -> bool:
         """False when the correction is a no-op (weights 1, nothing rejected)."""
-        masks = any(self.mask_enabled(n) for n in ("token_mask", "geo_mask", "product_mask", "veto"))
-        return self.mode != "none" or masks or self.divergence is not None
+        return self.mode != "none" or self.any_mask or self.divergence is not None
 
     @property
     def token_local(self) -> bool:
         """True when a token's weight is a function of its own log-ratio alone and nothing is rejected (token or
         no TIS, no mask, no self-normalization): the correction can then run on any rows, packed or not,
         inside the update (rl/learner.py, LossConfig.old_logprobs_from_update)."""
-        masks = any(self.mask_enabled(n) for n in ("token_mask", "geo_mask", "product_mask", "veto"))
-        return self.mode in ("none", "token") and not masks and self.divergence is None and not self.self_normalize
+        return (self.mode in ("none", "token") and not self.any_mask and self.divergence is None
+                and not self.self_normalize)
 
 
 def from_preset(name: str = "none", **overrides) -> RolloutCorrectionConfig:
