@@ -168,8 +168,43 @@ class _Fp8Kernel:
         pass  # the engine is closed once, under its own name
 
 
+# Engine arms: create_engine("vllm", ...) keyword arguments. The unquantized ones set their dtype explicitly
+# (the best of them is the baseline); the quantized ones take the adapter's choice for the box.
+ARMS = {
+    "fp32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
+    "fp8_per_channel": dict(engine_init_kwargs={"quantization": "fp8_per_channel"}),
+    "int8_per_channel": dict(engine_init_kwargs={"quantization": "int8_per_channel"}),
+    "int8_per_channel_fp32": dict(engine_init_kwargs={"quantization": "int8_per_channel"}, dtype="float32"),
+    "int8_per_channel_bf16": dict(engine_init_kwargs={"quantization": "int8_per_channel"}, dtype="bfloat16"),
+}
+UNQUANTIZED = ("fp32", "bf16")
+INT8_DOT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
+def _served_by(engine) -> str:
+    """The engine's dtype and the kernel class of its first quantized linear layer (or "unquantized")."""
+    from portable_rl.engines.vllm_adapter import VLLMEngine
+
+    dtype = str(engine._llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    kernels = engine._llm.collective_rpc(_first_linear_kernel)
+    return f"{dtype}, {kernels[0]}" if isinstance(engine, VLLMEngine) else dtype
+
+
+def _first_linear_kernel(worker) -> str:
+    """Inside the worker: the GEMM behind the first decoder projection (its kernel class and path)."""
+    for module in worker.model_runner.get_model().modules():
+        scheme = getattr(module, "scheme", None)
+        kernel = getattr(scheme, "kernel", None) or getattr(getattr(module, "quant_method", None), "kernel", None)
+        if kernel is not None:
+            method = getattr(kernel, "linear_method", None)
+            return type(kernel).__name__ + (f".{method.__name__}" if method is not None else "")
+    return "unquantized"
+
+
 def throughput(args) -> dict:
     from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags
     from portable_rl.testing import make_tiny_checkpoint
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
@@ -201,12 +236,11 @@ def throughput(args) -> dict:
             n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
 
     max_len = 48 + args.max_tokens
-    engines = {
-        "bf16": create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0),
-        "fp8_per_channel": create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
-                                         engine_init_kwargs={"quantization": "fp8_per_channel"}),
-    }
+    workdir_q = os.path.join(workdir, "quantized")
+    engines = {arm: create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
+                                  quantized_checkpoint_root=workdir_q, **ARMS[arm]) for arm in args.arms}
     owned = list(engines.values())
+    served_by = {arm: _served_by(engine) for arm, engine in engines.items()}
     if args.fp8_baseline:  # both fp8 arms reset the shared engine's prefix cache before each call
         engines["fp8_per_channel"] = _Fp8Kernel(engines["fp8_per_channel"], None)
         engines["fp8_onednn_baseline"] = _Fp8Kernel(engines["fp8_per_channel"].engine, _onednn_rowwise_scaled_mm)
@@ -239,9 +273,13 @@ def throughput(args) -> dict:
             engine.close()
     medians = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: tokens[k] / medians[k] for k in engines}
+    unquantized = [a for a in engines if a in UNQUANTIZED]
+    best = max(unquantized, key=tps.get) if unquantized else None
     out = {"model": name, "params": n_params, "prompts": args.prompts, "max_tokens": args.max_tokens,
-           "reps": args.reps, "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps,
-           "ratio_fp8_over_bf16": tps["fp8_per_channel"] / tps["bf16"]}
+           "reps": args.reps, "cpu_flags": sorted(cpu_flags() & INT8_DOT_FLAGS | cpu_flags() & set(FAST_BF16_CPU_FLAGS)),
+           "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps, "served_by": served_by,
+           "best_unquantized": best,
+           "ratio_over_best_unquantized": {k: tps[k] / tps[best] for k in engines} if best else {}}
     if args.fp8_baseline:
         out["ratio_dense_over_onednn"] = tps["fp8_per_channel"] / tps["fp8_onednn_baseline"]
     if args.support_cost:  # tokens/s: the two arms sample different tokens (and lengths)
@@ -266,6 +304,8 @@ def main():
                         help="add vLLM's own per-channel kernel (oneDNN _scaled_mm) on the same fp8 engine")
     parser.add_argument("--support-cost", action="store_true",
                         help="add the bf16 engine at top_p 0.8 / top_k 64 returning each token's sampling support")
+    parser.add_argument("--arms", nargs="+", default=["fp32", "bf16", "fp8_per_channel", "int8_per_channel"],
+                        choices=sorted(ARMS), help="engines to alternate (each compared with the best of fp32 / bf16)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -281,10 +321,12 @@ def main():
         return
     print(f"model {r['model']} ({r['params'] / 1e6:.1f}M params), {r['prompts']} prompts x {r['max_tokens']} "
           f"max tokens, median of {r['reps']} alternating generate calls")
+    print(f"CPU flags: {', '.join(r['cpu_flags']) or 'no bf16 / int8 dot products'}")
     for kind in r["median_s"]:
-        print(f"  {kind:<20} {r['median_s'][kind]:7.2f} s  {r['generated_tokens'][kind]:6d} tokens  "
-              f"{r['tokens_per_s'][kind]:8.1f} tok/s")
-    print(f"  fp8 / bf16 tokens/s: {r['ratio_fp8_over_bf16']:.2f}x (CPU: says little about GPU FP8 GEMMs)")
+        ratio = r["ratio_over_best_unquantized"].get(kind)
+        print(f"  {kind:<22} {r['median_s'][kind]:7.2f} s  {r['generated_tokens'][kind]:6d} tokens  "
+              f"{r['tokens_per_s'][kind]:8.1f} tok/s" + (f"  {ratio:5.2f}x {r['best_unquantized']}" if ratio else "")
+              + (f"  [{r['served_by'][kind]}]" if kind in r["served_by"] else ""))
     if "ratio_dense_over_onednn" in r:
         print(f"  fp8 dense path / oneDNN baseline tokens/s: {r['ratio_dense_over_onednn']:.2f}x")
 

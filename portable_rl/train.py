@@ -191,9 +191,12 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         else:  # receives the driver's batches and joins every collective
             side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
         timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it
+        engine_quantization = procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None))
+        if isinstance(side, FollowerSide):  # its share of the push quantizes as the driver's does
+            side.engine_quantization = engine_quantization
         survival = run.survival
         if survival:  # every process computes it (the tracked weights are sharded like the params)
-            survival.serving(procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None)))
+            survival.serving(engine_quantization)
             if survival.note and procs.is_driver:
                 print(survival.note, flush=True)
         rows = []

@@ -20,6 +20,7 @@ from portable_rl.engines.quantize import SOURCE_MARKER, write_blockwise_fp8_chec
 from portable_rl.engines import SamplingConfig, create_engine
 from portable_rl.engines.checkpoint import WeightUpdateError
 from portable_rl.engines.sglang_adapter import SGLangEngine, SGLangWeightUpdateError
+from portable_rl.errors import ConfigError
 from portable_rl.testing import make_tiny_checkpoint
 from sglang_api import ENGINE_METHODS, find_source, load_recorded, read_api
 from sglang_fake import API, EngineProcessDied, FakeSGLangEngine, recorded_signature
@@ -295,6 +296,25 @@ def test_lifecycle_and_logprob_env_guard(qwen2, monkeypatch):
         SGLangEngine(model_path=qwen2, fp8_mode="fp4", engine_factory=FakeSGLangEngine)
     with pytest.raises(TypeError, match="tp_szie"):  # a typo in ENGINE_KWARGS fails like the real ServerArgs
         make(qwen2, engine_init_kwargs={"tp_szie": 2})
+
+
+def test_int8_w8a8_is_refused_before_an_engine_starts(qwen2, tmp_path):
+    """0.5.23's int8 linear methods cannot restore their transposed weights for an in-place reload (module doc)."""
+    started = []
+    with pytest.raises(ConfigError, match="^quantization='int8_per_channel': SGLang 0.5.23 cannot reload INT8 "
+                                          "W8A8 weights in place .*use the 'vllm' engine") as err:
+        SGLangEngine(model_path=qwen2, engine_init_kwargs={"quantization": "int8_per_channel"},
+                     engine_factory=lambda **kw: started.append(kw) or FakeSGLangEngine(**kw))
+    assert "\n" not in str(err.value) and started == []
+    with pytest.raises(ConfigError, match="^quantization='w8a8_int8': SGLang 0.5.23 cannot reload"):
+        SGLangEngine(model_path=qwen2, engine_init_kwargs={"quantization": "w8a8_int8"},
+                     engine_factory=lambda **kw: started.append(kw) or FakeSGLangEngine(**kw))
+    from portable_rl.engines.quantize import write_int8_checkpoint
+
+    int8 = write_int8_checkpoint(qwen2, str(tmp_path / "int8"))
+    with pytest.raises(ConfigError, match=r"\(an INT8 W8A8 checkpoint\): SGLang 0.5.23 cannot reload"):
+        SGLangEngine(model_path=int8, engine_factory=lambda **kw: started.append(kw) or FakeSGLangEngine(**kw))
+    assert started == []
 
 
 def test_seed_recipe_engine_starts_from_a_bf16_checkpoint(qwen2, tmp_path):

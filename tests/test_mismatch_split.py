@@ -23,7 +23,8 @@ from portable_rl.rl.dapo import DapoConfig
 from portable_rl.rl.learner import Learner
 from portable_rl.rl.mismatch_split import MismatchSplit, quantized_learner, with_quantized_projections
 from portable_rl.rl.sync import follow_probe, probe_rows, run_probe
-from portable_rl.rl.update_survival import projection_paths, served_fp8_per_channel
+from portable_rl.learner_jax.quantize import served_fp8_per_channel
+from portable_rl.rl.update_survival import projection_paths
 from portable_rl.testing.perturb import perturbed
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

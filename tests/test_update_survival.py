@@ -8,7 +8,8 @@ from flax import nnx
 
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
-from portable_rl.rl.update_survival import UpdateSurvival, served_fp8_per_channel
+from portable_rl.learner_jax.quantize import served_fp8_per_channel
+from portable_rl.rl.update_survival import UpdateSurvival
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)

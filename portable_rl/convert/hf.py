@@ -27,6 +27,7 @@ from flax import nnx
 from portable_rl.convert.mapping import ParamMapping, param_mappings
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
+from portable_rl.learner_jax.quantize import quantize_int8_per_channel
 from portable_rl.learner_jax.sharding import gather_for_export
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -38,6 +39,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Tensors some checkpoints carry that the model recomputes; skipped on load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+_quantize_int8 = jax.jit(quantize_int8_per_channel)
+LEARNER_QUANTIZED = ("int8_per_channel",)  # engine schemes whose weights the learner quantizes before the push
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
@@ -134,9 +137,10 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
 
 
 # ---------------------------------------------------------------------------------------- export
-def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
+def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16", *, gather: bool = True
                 ) -> Iterator[tuple[ParamMapping, jax.Array]]:
-    """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`."""
+    """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`.
+    `gather=False` leaves each array as sharded as the learner holds it."""
     dtype = _DTYPES[_dtype_name(dtype)]
     for m in param_mappings(config):
         value = get_param(model, m.nnx_path)[...]
@@ -144,7 +148,32 @@ def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
         # A sharded learner (learner_jax/sharding.py) holds multi-device arrays, which DLPack cannot
         # export: gather this one parameter (after the cast: fewer bytes). Single-device arrays are
         # returned unchanged, so the unsharded path stays zero-copy.
-        yield m, gather_for_export(value)
+        yield m, (gather_for_export(value) if gather else value)
+
+
+def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", quantization: str | None = None
+                  ) -> Iterator[tuple[str, jax.Array, bool]]:
+    """What a push sends, lazily: (HF name, array in the NNX layout, transpose to the HF layout?).
+
+    `quantization="int8_per_channel"`: each decoder projection is quantized here, on the learner's devices
+    and before the gather (`learner_jax.quantize.quantize_int8_per_channel` of its `dtype` cast), and sent
+    as int8 `weight` + f32 `weight_scale` [out, 1], the engine's checkpoint format: half the bytes of bf16.
+    A projection holding NaN or inf raises `NonFiniteWeightError` before it is yielded. Every learner
+    process runs this in the same order (the gathers are collectives, rl/sync.py)."""
+    if quantization not in (None, *LEARNER_QUANTIZED):
+        raise ValueError(f"quantization={quantization!r}: the learner quantizes only {LEARNER_QUANTIZED}")
+    if quantization is not None:
+        from portable_rl.engines.quantize import NonFiniteWeightError, int8_scale_name, is_quantized_projection
+    for m, value in cast_params(model, config, dtype, gather=quantization is None):
+        if quantization is None or not is_quantized_projection(m.hf_name):
+            yield m.hf_name, gather_for_export(value), m.transpose
+            continue
+        q, scale, finite = _quantize_int8(value)  # q [in, out] int8, scale [out] f32
+        if not bool(finite):
+            raise NonFiniteWeightError(f"{m.hf_name} holds NaN or inf (the learner diverged?); lower the learning "
+                                       "rate or resume from an earlier checkpoint; nothing was loaded")
+        yield m.hf_name, gather_for_export(q), m.transpose
+        yield int8_scale_name(m.hf_name), gather_for_export(scale[:, None]), False
 
 
 def hf_arrays(model: Transformer, config: ModelConfig, dtype="bfloat16") -> Iterator[tuple[str, jax.Array]]:

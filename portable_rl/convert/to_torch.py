@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from portable_rl.convert.hf import cast_params
+from portable_rl.convert.hf import export_arrays
 from portable_rl.learner_jax.config import ModelConfig
 
 
@@ -30,14 +30,16 @@ def __getattr__(name):  # `to_torch.bucketed`, re-exported lazily: engines bucke
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, torch tensor in HF shape and `dtype`), one parameter at a time.
+def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16", quantization: str | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, torch tensor in HF shape and `dtype`), one parameter at a time; with
+    `quantization="int8_per_channel"` the projections as int8 + `weight_scale` (`convert.hf.export_arrays`).
 
     Transposed weights are non-contiguous views; call `.contiguous()` if a consumer needs packed memory.
     """
-    for m, array in cast_params(model, config, dtype):
+    for name, array, transpose in export_arrays(model, config, dtype=dtype, quantization=quantization):
         tensor = jax_to_torch(array)
-        yield m.hf_name, (tensor.T if m.transpose else tensor)
+        yield name, (tensor.T if transpose else tensor)
 
 
 def jax_to_torch(array) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Trainer-side FP8 quantizers (torch only; no JAX here).
+"""Trainer-side FP8 and INT8 quantizers and quantized start checkpoints (torch only; no JAX here).
 
 128×128 blockwise FP8 (the DeepSeek-V3 / Qwen3-FP8 checkpoint format that SGLang and vLLM load as
 `quant_method="fp8"` with `weight_block_size=[128, 128]`): for a linear weight W [out, in], every 128×128 tile
@@ -78,34 +78,116 @@ def blockwise_quantization_config(block: tuple[int, int] = BLOCK) -> dict:
             "weight_block_size": list(block)}
 
 
-def write_blockwise_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = BLOCK) -> str:
-    """Copies the HF checkpoint `src` to `dst` with its projections quantized 128×128 (FP8 + weight_scale_inv)."""
+# ------------------------------------------------------------------------------------------------------
+# INT8 W8A8, per output channel (`int8_per_channel`; the format FlashRL serves, compressed-tensors on disk):
+#
+#   s_c = max_i |W_ci| / 127          (s_c = 1 for an all-zero channel)
+#   Q_ci = clamp(round(W_ci / s_c), −127, 127)    int8, round half to even (torch.round, jnp.round)
+#   W_ci ≈ Q_ci · s_c                 (stored as `weight` int8 [out, in] and `weight_scale` f32 [out, 1])
+#
+# Activations are quantized by the engine per token at run time (dynamic, symmetric). The learner side
+# (`convert.quantize_jax.quantize_int8_per_channel`) computes the same Q and s bit for bit in JAX.
+# ------------------------------------------------------------------------------------------------------
+INT8_MAX = 127.0
+INT8_SCALE_SUFFIX = "weight_scale"  # "...proj.weight" -> "...proj.weight_scale"
+
+
+class NonFiniteWeightError(ValueError):
+    """A pushed weight holds NaN or inf: quantizing it would serve garbage."""
+
+
+def int8_scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix("weight") + INT8_SCALE_SUFFIX
+
+
+def quantize_int8_per_channel(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] → (Q [out, in] int8, s [out, 1] float32) with W ≈ Q · s (formula above)."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: INT8 per-channel quantization needs a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)  # [out, 1]; NaN anywhere in a row makes it NaN
+    if not bool(torch.isfinite(amax).all()):
+        raise NonFiniteWeightError(f"{name} holds NaN or inf (the learner diverged?); lower the learning rate or "
+                                   "resume from an earlier checkpoint, nothing was pushed")
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_named_tensors_int8(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs → float projections as (name, int8) + (name_scale, f32 [out, 1]); the rest, and
+    projections already int8 (quantized by the learner), unchanged."""
+    for name, tensor in pairs:
+        if is_quantized_projection(name) and tensor.is_floating_point():
+            q, scale = quantize_int8_per_channel(tensor, name)
+            yield name, q
+            yield int8_scale_name(name), scale
+        else:
+            yield name, tensor
+
+
+def int8_quantization_config() -> dict:
+    """config.json's `quantization_config` for INT8 W8A8: compressed-tensors, per-channel int8 weights,
+    dynamic per-token int8 activations; vLLM loads it as `CompressedTensorsW8A8Int8`."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "block_structure": None}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True},
+                "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def is_int8_checkpoint(path: str) -> bool:
+    """True when config.json of `path` declares the INT8 W8A8 format `int8_quantization_config` writes."""
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "int-quantized"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Quantized copies of a bf16 checkpoint, written once next to the run.
+# ------------------------------------------------------------------------------------------------------
+def write_quantized_checkpoint(src: str, dst: str, quantize_pairs, quantization_config: dict) -> str:
+    """Copies the HF checkpoint `src` to `dst`, each safetensors file's pairs through `quantize_pairs`, with
+    `quantization_config` in config.json and the shard index rebuilt from what was written."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(dst, exist_ok=True)
-    for fname in os.listdir(src):
+    weight_map = {}
+    for fname in sorted(os.listdir(src)):
         path = os.path.join(src, fname)
         if fname.endswith(".safetensors"):
-            tensors = dict(quantize_named_tensors_blockwise(load_file(path).items(), block))
+            tensors = {n: t.contiguous() for n, t in quantize_pairs(load_file(path).items())}
             save_file(tensors, os.path.join(dst, fname), metadata={"format": "pt"})
-        elif fname == "model.safetensors.index.json":
-            with open(path) as f:
-                index = json.load(f)
-            weight_map = index["weight_map"]
-            for name in list(weight_map):
-                if is_quantized_projection(name):
-                    weight_map[name + "_scale_inv"] = weight_map[name]
-            with open(os.path.join(dst, fname), "w") as f:
-                json.dump(index, f, indent=2)
+            weight_map.update(dict.fromkeys(tensors, fname))
         elif fname == "config.json":
             with open(path) as f:
                 config = json.load(f)
-            config["quantization_config"] = blockwise_quantization_config(block)
+            config["quantization_config"] = quantization_config
             with open(os.path.join(dst, fname), "w") as f:
                 json.dump(config, f, indent=2)
-        elif os.path.isfile(path):
+        elif os.path.isfile(path) and fname != "model.safetensors.index.json":
             shutil.copy(path, os.path.join(dst, fname))
+    if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
+        with open(os.path.join(src, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
     return dst
+
+
+def write_blockwise_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = BLOCK) -> str:
+    """Copies the HF checkpoint `src` to `dst` with its projections quantized 128×128 (FP8 + weight_scale_inv)."""
+    return write_quantized_checkpoint(src, dst, lambda pairs: quantize_named_tensors_blockwise(pairs, block),
+                                      blockwise_quantization_config(block))
+
+
+def write_int8_checkpoint(src: str, dst: str) -> str:
+    """Copies the HF checkpoint `src` to `dst` with its projections INT8 per channel (int8 + weight_scale)."""
+    return write_quantized_checkpoint(src, dst, quantize_named_tensors_int8, int8_quantization_config())
 
 
 def is_blockwise_fp8_checkpoint(path: str, block: tuple[int, int] = BLOCK) -> bool:
@@ -115,45 +197,55 @@ def is_blockwise_fp8_checkpoint(path: str, block: tuple[int, int] = BLOCK) -> bo
     return qc.get("quant_method") == "fp8" and qc.get("weight_block_size") == list(block)
 
 
-SOURCE_MARKER = "portable_rl_fp8_source.json"  # written last, inside the checkpoint: it is complete
+SOURCE_MARKER = "portable_rl_quantized_source.json"  # written last, inside the checkpoint: it is complete
 
 
-def _source_fingerprint(src: str, block: tuple[int, int]) -> dict:
-    """What identifies the bf16 source cheaply: its real path, every file's name, size and mtime, the block."""
+def _source_fingerprint(src: str, scheme: dict) -> dict:
+    """What identifies the bf16 source cheaply: its real path, every file's name, size and mtime, the scheme."""
     src = os.path.realpath(src)
     files = [(f, st.st_size, st.st_mtime_ns) for f in sorted(os.listdir(src))
              if os.path.isfile(os.path.join(src, f)) for st in [os.stat(os.path.join(src, f))]]
-    return {"source": src, "files": files, "weight_block_size": list(block)}
+    return {"source": src, "files": files, **scheme}
 
 
-def ensure_blockwise_fp8_checkpoint(src: str, root: str, block: tuple[int, int] = BLOCK) -> str:
-    """The blockwise FP8 copy of the bf16 checkpoint `src` under `root`: written once, atomically.
-
-    The copy lives in `root/fp8_blockwise_<hash of the source fingerprint>`. A later call with the same
-    source (a resumed run, another engine of a fleet) finds it and returns at once. It is written into a
-    temporary directory next to it and renamed into place, so a crash never leaves a half-written copy
-    behind a valid name, and of two writers racing, one rename wins and the other's copy is dropped.
-    """
-    fingerprint = _source_fingerprint(src, block)
+def _ensure_quantized_checkpoint(src: str, root: str, prefix: str, scheme: dict, write) -> str:
+    """`write(src, tmp)`'s quantized copy of `src` in `root/<prefix>_<hash of the source fingerprint>`, written
+    once: a later call with the same source (a resumed run, another engine of a fleet) finds it and returns
+    at once. It is written into a temporary directory next to it and renamed into place, so a crash never
+    leaves a half-written copy behind a valid name, and of two writers racing, one rename wins and the
+    other's copy is dropped."""
+    fingerprint = _source_fingerprint(src, scheme)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
-    dst = os.path.join(root, f"fp8_blockwise_{key}")
+    dst = os.path.join(root, f"{prefix}_{key}")
     if os.path.exists(os.path.join(dst, SOURCE_MARKER)):
         return dst
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".fp8_blockwise_{key}.tmp-", dir=root)
+    tmp = tempfile.mkdtemp(prefix=f".{prefix}_{key}.tmp-", dir=root)
     try:
-        write_blockwise_fp8_checkpoint(src, tmp, block)
+        write(src, tmp)
         with open(os.path.join(tmp, SOURCE_MARKER), "w") as f:
             json.dump(fingerprint, f, indent=1)
         try:
             os.rename(tmp, dst)  # atomic; fails if dst exists (another writer finished first)
         except OSError:
             if not os.path.exists(os.path.join(dst, SOURCE_MARKER)):
-                raise FileExistsError(f"{dst} exists but is not a complete FP8 copy (no {SOURCE_MARKER}); "
+                raise FileExistsError(f"{dst} exists but is not a complete quantized copy (no {SOURCE_MARKER}); "
                                       "delete it and start again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename
     return dst
+
+
+def ensure_blockwise_fp8_checkpoint(src: str, root: str, block: tuple[int, int] = BLOCK) -> str:
+    """The blockwise FP8 copy of the bf16 checkpoint `src` under `root`, written once, atomically."""
+    return _ensure_quantized_checkpoint(src, root, "fp8_blockwise", {"weight_block_size": list(block)},
+                                        lambda s, d: write_blockwise_fp8_checkpoint(s, d, block))
+
+
+def ensure_int8_checkpoint(src: str, root: str) -> str:
+    """The INT8 W8A8 per-channel copy of the bf16 checkpoint `src` under `root`, written once, atomically."""
+    return _ensure_quantized_checkpoint(src, root, "int8_per_channel", {"scheme": "int8_per_channel"},
+                                        lambda s, d: write_int8_checkpoint(s, d))
 
 
 # ------------------------------------------------------------------------------------------------------

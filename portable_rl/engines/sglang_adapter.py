@@ -46,6 +46,12 @@ FP8 comes in two flavours, chosen by `fp8_mode`:
     `fp8_checkpoint_root` (`engines.quantize.ensure_blockwise_fp8_checkpoint`) and the engine starts there;
     every push is quantized the same way.
 
+INT8 W8A8 (`quantization="int8_per_channel"`) is refused: 0.5.23 serves a compressed-tensors W8A8 INT8
+checkpoint (layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py, CUDA only; or
+`quantization="w8a8_int8"`, layers/quantization/w8a8_int8.py), but both linear methods' `process_weights_after_loading`
+replace the int8 weight by a transposed plain Parameter without a `weight_loader` and neither defines
+`restore_weights_before_loading`, so the first in-place push would raise in `load_weights` (process tree dead).
+
 Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
 `sleep()` then frees the KV cache, the weights and the CUDA graphs, and `wake_up()` restores them with the
 weights' contents intact. Without it `release_memory_occupation` frees nothing, so `sleep()` raises.
@@ -63,10 +69,23 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
+from portable_rl.errors import ConfigError
 
 FP8_MODES = (None, "flash_rl", "blockwise")
 FLASH_RL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sglang 0.5.23, models/qwen2.py, qwen3.py
 SCALE_SUFFIX = "_scale_inv"
+INT8_W8A8 = ("int8_per_channel", "w8a8_int8")  # ours and SGLang's name; refused (module doc)
+
+
+def _declares_int8_w8a8(model_path: str) -> bool:
+    """True for a checkpoint whose config.json declares compressed-tensors INT8 (e.g. ours, or llm-compressor's)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            qc = json.load(f).get("quantization_config") or {}
+    except OSError:
+        return False  # no config.json: the engine's own start reports it
+    return qc.get("quant_method") in ("compressed-tensors", "w8a8_int8") and qc.get("format", "int-quantized") \
+        == "int-quantized"
 
 
 class SGLangWeightUpdateError(RuntimeError):
@@ -109,6 +128,13 @@ class SGLangEngine(EngineAdapter):
                  engine_factory: Callable[..., Any] | None = None):
         if fp8_mode not in FP8_MODES:
             raise ValueError(f"fp8_mode={fp8_mode!r}; expected one of {FP8_MODES}")
+        int8 = (engine_init_kwargs or {}).get("quantization") in INT8_W8A8
+        if int8 or _declares_int8_w8a8(str(model_path)):
+            what = f"quantization={(engine_init_kwargs or {})['quantization']!r}" if int8 else \
+                f"{model_path} (an INT8 W8A8 checkpoint)"
+            raise ConfigError(f"{what}: SGLang 0.5.23 cannot reload INT8 W8A8 weights in place (module doc), so the "
+                              "first weight sync would kill the engine; use the 'vllm' engine for INT8 rollouts, or "
+                              "FP8 with SGLang (fp8_mode='flash_rl' or 'blockwise')")
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 logprobs, not the "
                              "tempered ones the learner uses; unset it")

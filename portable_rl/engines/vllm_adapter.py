@@ -31,6 +31,17 @@ the method of a pre-quantized checkpoint; None for bf16.
 Several in-process engines may live in one process (vLLM keeps process-global parallel state; `close()` tears
 it down only with the last one).
 
+INT8 W8A8 (`engine_init_kwargs={"quantization": "int8_per_channel"}`). vLLM 0.32 has no online INT8 for
+linear layers; it serves INT8 W8A8 from a compressed-tensors checkpoint (`CompressedTensorsW8A8Int8`: oneDNN
+or AMX on x86 CPUs, CUTLASS on GPUs). So the adapter writes that checkpoint once from the bf16 `model_path`
+(`engines.quantize.ensure_int8_checkpoint`: per-output-channel int8 projections + `weight_scale`, dynamic
+per-token int8 activations, embeddings / norms / lm_head unquantized) into `quantized_checkpoint_root`
+(gin: the run directory), atomically, and starts the engine there. A push may carry the projections as
+int8 + `weight_scale` (what the learner sends: rl/sync.py) or as floats, which the adapter quantizes with
+the same formula in torch; either way the engine reloads checkpoint-format int8, and
+engines/vllm_cpu_int8.py keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
+Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box as an unquantized engine's.
+
 `engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
 `"fp8_per_block"` on GPU, `tensor_parallel_size`); they override the defaults here.
 
@@ -56,6 +67,7 @@ is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 from typing import Any, Iterable, Sequence
@@ -72,6 +84,8 @@ from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
+INT8 = "int8_per_channel"  # served from a compressed-tensors W8A8 checkpoint the adapter writes (module doc)
+DEFAULT_QUANTIZED_CHECKPOINT_ROOT = os.path.join("~", ".cache", "portable_rl", "quantized_checkpoints")
 MAX_SUPPORT = 128  # default max_logprobs: the largest top_k whose support `generate` can return
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
@@ -85,8 +99,9 @@ def _on_cpu() -> bool:
 
 
 def cpu_engine_dtype(flags: set[str] | None = None, quantization: str | None = None) -> tuple[str, str]:
-    """(dtype, why): bfloat16 when the CPU has hardware bf16 dot products or the engine quantizes, else float32."""
-    if quantization:
+    """(dtype, why): bfloat16 when the CPU has hardware bf16 dot products or the engine quantizes to FP8,
+    else float32."""
+    if quantization and quantization != INT8:
         return "bfloat16", f"quantization={quantization!r} needs bf16/fp16 activations in vLLM"
     flags = cpu_flags() if flags is None else flags
     fast = [f for f in FAST_BF16_CPU_FLAGS if f in flags]
@@ -150,6 +165,26 @@ def _quiet_expected_reload_warnings() -> None:
         logger.addFilter(_ExpectedReloadWarnings())
 
 
+def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> str:
+    """The INT8 W8A8 checkpoint to start on: `model_path` if it is one, else its copy under `root` (written
+    once). Refuses projection shapes GPU INT8 GEMMs cannot take before anything is written."""
+    from portable_rl.engines.quantize import ensure_int8_checkpoint, is_int8_checkpoint, is_quantized_projection
+
+    if is_int8_checkpoint(model_path):
+        return model_path
+    with open(os.path.join(model_path, "config.json")) as f:
+        if json.load(f).get("quantization_config"):
+            raise ConfigError(f"quantization='int8_per_channel' needs a bf16 (or INT8 W8A8) start checkpoint; "
+                              f"{model_path} is already quantized another way: start from its bf16 original")
+    if not on_cpu:  # CUTLASS int8 GEMMs need both dims of every weight in multiples of 16 (CPU kernels: any)
+        odd = [f"{n} {s}" for n, s in read_checkpoint_shapes(model_path).items()
+               if is_quantized_projection(n) and (s[0] % 16 or s[1] % 16)]
+        if odd:
+            raise ConfigError(f"quantization='int8_per_channel': {odd[0]} (and {len(odd) - 1} more) is not a "
+                              "multiple of 16 in both dims, which GPU INT8 GEMMs need; use FP8 for this model")
+    return ensure_int8_checkpoint(model_path, os.path.expanduser(root or DEFAULT_QUANTIZED_CHECKPOINT_ROOT))
+
+
 def _destroy_parallel_state() -> None:
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
@@ -180,24 +215,31 @@ class VLLMEngine(EngineAdapter):
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, dtype: str | None = None, in_process: bool = True,
-                 validate_weights: bool = True, enable_sleep_mode: bool = False, sleep_level: int = 1):
+                 validate_weights: bool = True, enable_sleep_mode: bool = False, sleep_level: int = 1,
+                 quantized_checkpoint_root: str | None = None):
         # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
 
-        from portable_rl.engines import vllm_cpu_fp8
+        from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
 
         _quiet_expected_reload_warnings()
-        if _on_cpu():
-            vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
-        self.model_path = str(model_path)
         on_cpu = _on_cpu()
+        if on_cpu:
+            vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
+            vllm_cpu_int8.apply()  # INT8 reloads keep the scales the oneDNN kernel reads
+        engine_init_kwargs = dict(engine_init_kwargs or {})
+        self.source_model_path = self.model_path = str(model_path)
+        int8 = engine_init_kwargs.get("quantization") == INT8
+        if int8:  # served from a compressed-tensors checkpoint, not an online `quantization` (module doc)
+            del engine_init_kwargs["quantization"]
+            self.model_path = _int8_start_checkpoint(self.model_path, quantized_checkpoint_root, on_cpu)
         if on_cpu:
             _warn_if_omp_spins()
         if dtype is None:  # None = the platform's fast dtype (module doc)
-            quantization = (engine_init_kwargs or {}).get("quantization")
+            quantization = INT8 if int8 else engine_init_kwargs.get("quantization")
             dtype, why = cpu_engine_dtype(quantization=quantization) if on_cpu else ("bfloat16", "GPU")
-            if on_cpu and "dtype" not in (engine_init_kwargs or {}):
+            if on_cpu and "dtype" not in engine_init_kwargs:
                 _log_cpu_dtype_once(dtype, why)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, seed=seed,
@@ -217,7 +259,7 @@ class VLLMEngine(EngineAdapter):
             kwargs["enable_chunked_prefill"] = False
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        kwargs.update(engine_init_kwargs or {})
+        kwargs.update(engine_init_kwargs)
         if sleep_level not in (1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
                              "dropped; the next push restores them)")
@@ -240,7 +282,7 @@ class VLLMEngine(EngineAdapter):
         self._optional_names = {"lm_head.weight"} if tied_embeddings(self.model_path) else set()
         self._llm = vllm.LLM(**kwargs)
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
-        self.quantization = self._llm.llm_engine.vllm_config.model_config.quantization
+        self.quantization = INT8 if int8 else self._llm.llm_engine.vllm_config.model_config.quantization
         self._in_process = in_process
         VLLMEngine._live += in_process
 
@@ -292,7 +334,12 @@ class VLLMEngine(EngineAdapter):
         vLLM's transport is in-process by reference, so its "bucket" is the whole push: the reload must see
         every weight at once (vllm_worker.py), and holding the refs costs no copy."""
         llm = self._require_llm()
-        pairs = list(named_tensor_pairs(named_tensors))  # zero-copy views stay views: only refs are held
+        pairs = named_tensor_pairs(named_tensors)
+        if self.quantization == INT8:  # float projections → int8 + weight_scale; the learner's int8 pass through
+            from portable_rl.engines.quantize import quantize_named_tensors_int8
+
+            pairs = quantize_named_tensors_int8(pairs)
+        pairs = list(pairs)  # zero-copy views stay views: only refs are held
         if self._validate:
             check_named_tensors(pairs, self._expected_shapes, self._optional_names)
         llm.collective_rpc("portable_rl_reload_weights", kwargs={"weights": pairs})

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from portable_rl.engines import vllm_cpu_fp8
+from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
 
 vllm_cpu_fp8.apply()  # this module is imported inside every vLLM worker process; a no-op off CPU tensors
+vllm_cpu_int8.apply()  # keeps the scales of CPU INT8 kernels alive across reloads; a no-op elsewhere
 
 
 class PortableRLWorkerExtension:

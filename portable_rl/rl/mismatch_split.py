@@ -29,8 +29,9 @@ uncorrelated across tokens; it is not a KL and can be negative.
 
 Q, per the engine's `quantization` (engines/base.py):
     None                 identity: no extra forward; quantization = 0 exactly, kernels = probe/kl
-    "fp8_per_channel"    vLLM's online per-output-channel e4m3 (`update_survival.served_fp8_per_channel`,
-                         checked against vLLM's own functions), stored back in the kernel's dtype
+    "fp8_per_channel"    vLLM's online per-output-channel e4m3         (learner_jax/quantize.py, each checked
+    "int8_per_channel"   INT8 W8A8's per-output-channel int8 weights     against the engine's own values)
+                         (weights only: the engine's per-token int8 activations fall in `kernels`)
     anything else        not modelled: no quantization / kernels parts (a warning, once); probe/kl as before
 
 Staleness (async rollouts, rl/async_rollout.py: step k+1's batch was sampled by the engine serving θ_{k−1}
@@ -59,10 +60,11 @@ from flax import nnx
 
 from portable_rl.convert.hf import get_param
 from portable_rl.engines.probe import compare_logprobs
-from portable_rl.rl.update_survival import projection_paths, served_fp8_per_channel
+from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
+from portable_rl.rl.update_survival import projection_paths
 
 # engine `quantization` → its weight quantizer on an NNX kernel [in, out] (output channels are columns)
-WEIGHT_QUANTIZERS = {"fp8_per_channel": served_fp8_per_channel}
+WEIGHT_QUANTIZERS = {k: v for k, v in SERVED_WEIGHTS.items() if k is not None}
 MODELLED = (None, *WEIGHT_QUANTIZERS)
 
 

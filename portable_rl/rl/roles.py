@@ -116,6 +116,7 @@ class FollowerSide:
 
     def __init__(self, procs: Processes, *, cfg, pad_id: int):
         self.procs, self.cfg, self.pad_id = procs, cfg, pad_id
+        self.engine_quantization = None  # the driver's engine's, broadcast at start (the push quantizes for it)
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         wire, metrics = self.procs.broadcast()
@@ -126,7 +127,7 @@ class FollowerSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")
-        join_weight_export(model, model_config)
+        join_weight_export(model, model_config, self.engine_quantization)
 
     def probe(self, learner) -> dict:
         follow_probe(learner, self.procs.broadcast)

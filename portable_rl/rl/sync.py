@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import warnings
 
-from portable_rl.convert.hf import cast_params
+from portable_rl.convert.hf import LEARNER_QUANTIZED, export_arrays
 from portable_rl.convert.to_torch import iter_hf_tensors
 from portable_rl.engines import probe as probe_lib
 from portable_rl.rl.batching import pack_rollouts
@@ -43,13 +43,21 @@ def push_weights(engine, model, model_config, bucket_mb: int | None = None) -> N
         warnings.warn(f"bucket_mb={bucket_mb} (train.sync_bucket_mb) is ignored: engines bucket the flat push "
                       "for their own transport; set the adapter's bucket_bytes instead", FutureWarning,
                       stacklevel=2)
-    engine.update_weights(iter_hf_tensors(model, model_config, dtype="bfloat16"))
+    engine.update_weights(iter_hf_tensors(model, model_config, dtype="bfloat16",
+                                          quantization=push_quantization(engine.quantization)))
 
 
-def join_weight_export(model, model_config) -> None:
-    """A non-driver process's half of `push_weights`: the same casts and per-parameter gathers in the same
-    order (collectives across processes), and no torch."""
-    for _ in cast_params(model, model_config, "bfloat16"):
+def push_quantization(engine_quantization: str | None) -> str | None:
+    """The scheme the learner quantizes to before the push (`convert.hf.LEARNER_QUANTIZED`: INT8, pushed as
+    int8 + scales), or None: bf16, and a quantizing engine re-quantizes it itself (FP8)."""
+    return engine_quantization if engine_quantization in LEARNER_QUANTIZED else None
+
+
+def join_weight_export(model, model_config, engine_quantization: str | None = None) -> None:
+    """A non-driver process's half of `push_weights`: the same casts, quantizers and per-parameter gathers in
+    the same order (collectives across processes), and no torch tensors."""
+    for _ in export_arrays(model, model_config, dtype="bfloat16",
+                           quantization=push_quantization(engine_quantization)):
         pass
 
 

@@ -25,10 +25,8 @@ steps are lost until they add up; weights in the middle of a cell deliver them o
 Q, per engine `quantization` (what the adapter reports):
 
     None (bf16 engine)     Q(W) = bf16(W)
-    "fp8_per_channel"      B = bf16(W);  s_c = max(max_i |B_ic| / 448, 1 / (448·512));
-                           Q(W)_ic = e4m3(B_ic / s_c) · s_c
-                           (one scale per output channel c: vLLM's online per-channel weight quantization,
-                           checked against vLLM's own functions in tests/test_update_survival.py)
+    "fp8_per_channel"      per output channel e4m3 of bf16(W)     (learner_jax/quantize.py has each formula,
+    "int8_per_channel"     per output channel int8 of bf16(W)      checked against the engine side's)
 
 The bf16 stage alone is always reported too (`sync/bf16_changed_frac`, `sync/bf16_update_lost_frac`; for a
 bf16 engine the same numbers): what the push's rounding loses before any quantizer. Other schemes (per-tensor
@@ -59,10 +57,11 @@ import numpy as np
 
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
-from portable_rl.engines.quantize import FP8_MAX, is_quantized_projection
+from portable_rl.engines.quantize import is_quantized_projection
+from portable_rl.learner_jax.quantize import SERVED_WEIGHTS, served_bf16
 from portable_rl.learner_jax.optim import MasterWeightsState
 
-TRACKED_SCHEMES = (None, "fp8_per_channel")
+TRACKED_SCHEMES = tuple(SERVED_WEIGHTS)
 
 
 def learner_weights(model, optimizer=None):
@@ -75,33 +74,6 @@ def learner_weights(model, optimizer=None):
 def projection_paths(model_config) -> list[tuple]:
     """NNX paths of the decoder projections (q/k/v/o, gate/up/down kernels): the matrices engines quantize."""
     return [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
-
-
-def served_bf16(w):
-    """[in, C] f32 -> the values a bf16 push delivers, as f32."""
-    return w.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _true_divide(x, y):
-    """x / y rounded once, as torch divides. XLA rewrites a division by a broadcast (or a constant) into a
-    multiplication by its reciprocal, which rounds twice and sends a quotient on an e4m3 midpoint (common for
-    bf16 weights: ~0.04 % of the entries) the other way; an optimization barrier on the full-shape divisor
-    keeps the true division."""
-    shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y))
-    return x / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(y, jnp.float32), shape))
-
-
-_MIN_CHANNEL_SCALE = np.float32(1.0) / np.float32(FP8_MAX * 512)  # vLLM's clamp, an f32 division as there
-
-
-def served_fp8_per_channel(w):
-    """[..., in, C] f32 (NNX kernel: output channels are columns; leading axes stack matrices) -> the
-    per-channel e4m3 values, as f32."""
-    b = served_bf16(w)
-    # vLLM 0.32 (online/fp8.py): scale = max(amax / 448, 1 / (448 * 512)); true division, clamp, cast.
-    scale = jnp.maximum(_true_divide(jnp.max(jnp.abs(b), axis=-2, keepdims=True), FP8_MAX), _MIN_CHANNEL_SCALE)
-    q = jnp.clip(_true_divide(b, scale), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)    # [..., in, C]
-    return q.astype(jnp.float32) * scale
 
 
 def _stage_metrics(served, new, old):
@@ -119,17 +91,13 @@ def _stage_metrics(served, new, old):
     return changed / total, lost  # the same weights: (0, 0)
 
 
-def _served_fn(quantization):
-    return served_fp8_per_channel if quantization == "fp8_per_channel" else served_bf16
-
-
 @functools.partial(jax.jit, static_argnames=("quantization",))
 def _metrics(new, old, first, quantization):
     """The bf16 stage always; the engine's whole quantizer when it is modelled (TRACKED_SCHEMES)."""
     bf16_changed, bf16_lost = _stage_metrics(served_bf16, new, old)
     out = {"sync/bf16_changed_frac": bf16_changed, "sync/bf16_update_lost_frac": bf16_lost}
     if quantization in TRACKED_SCHEMES:
-        served = _served_fn(quantization)
+        served = SERVED_WEIGHTS[quantization]
         changed, lost = (bf16_changed, bf16_lost) if quantization is None else _stage_metrics(served, new, old)
         out.update({"sync/quantized_changed_frac": changed, "sync/update_lost_frac": lost,
                     "sync/cumulative_update_lost_frac": _stage_metrics(served, new, first)[1]})

@@ -1,0 +1,86 @@
+"""The learner-side INT8 quantizer (learner_jax/quantize.py) is bit-equal to the engine side's torch formula
+(engines/quantize.py), and the push exports int8 + weight_scale from it (convert.hf.export_arrays)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from portable_rl.engines.quantize import NonFiniteWeightError, quantize_int8_per_channel as torch_int8
+from portable_rl.learner_jax.quantize import quantize_int8_per_channel, served_int8_per_channel
+
+
+def _bf16_weights(seed: int, shape=(96, 80)) -> np.ndarray:
+    """NNX kernels [in, out] on the bf16 grid, with columns of very different magnitude and exact midpoints."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32) * np.logspace(-4, 1, shape[1], dtype=np.float32)
+    w[:, 3] = 0.0                                         # an all-zero output channel
+    w[:7, 5] = [127.0, 0.5, -1.5, 2.5, -63.5, 1.0, -127.0]  # amax 127: quotients exactly on .5 midpoints
+    w[7:, 5] = 0.0
+    return np.array(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))  # a writable copy
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_jax_int8_equals_torch_bit_for_bit(seed):
+    w = _bf16_weights(seed)
+    q, scale, finite = jax.jit(quantize_int8_per_channel)(jnp.asarray(w, jnp.bfloat16))
+    q_t, scale_t = torch_int8(torch.from_numpy(w.T.copy()))  # torch takes the HF layout [out, in]
+    assert bool(finite) and q.dtype == jnp.int8 and scale.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(q).T, q_t.numpy())
+    np.testing.assert_array_equal(np.asarray(scale), scale_t.numpy()[:, 0])
+    assert np.asarray(q)[:, 5][:5].tolist() == [127, 0, -2, 2, -64]  # half to even, as torch.round
+    served = np.asarray(jax.jit(served_int8_per_channel)(jnp.asarray(w)))
+    np.testing.assert_array_equal(served, (q_t.float() * scale_t).numpy().T)
+
+
+def test_jax_int8_flags_nan_and_inf():
+    for bad in (np.nan, np.inf, -np.inf):
+        w = _bf16_weights(0)
+        w[10, 20] = bad
+        assert not bool(jax.jit(quantize_int8_per_channel)(jnp.asarray(w))[2])
+
+
+def test_export_pushes_int8_and_scales_for_projections_only(tmp_path):
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines.checkpoint import read_checkpoint_shapes
+    from portable_rl.engines.quantize import is_quantized_projection, write_int8_checkpoint
+    from portable_rl.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
+    model, config = load_hf_model(src, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    bf16 = dict(iter_hf_tensors(model, config))
+    int8 = dict(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+    # exactly the names and shapes of the INT8 checkpoint the engine starts on
+    expected = read_checkpoint_shapes(write_int8_checkpoint(src, str(tmp_path / "int8")))
+    assert {n: tuple(t.shape) for n, t in int8.items()} == expected
+    for name, tensor in bf16.items():
+        if is_quantized_projection(name):
+            q, scale = torch_int8(tensor.float())
+            assert torch.equal(int8[name], q) and torch.equal(int8[name.removesuffix("weight") + "weight_scale"], scale)
+        else:
+            assert torch.equal(int8[name], tensor)
+    projection_bytes = sum(t.numel() * t.element_size() for n, t in bf16.items() if is_quantized_projection(n))
+    pushed = sum(t.numel() * t.element_size() for n, t in int8.items() if is_quantized_projection(n)
+                 or n.endswith("weight_scale"))
+    assert pushed < 0.55 * projection_bytes  # int8 + one f32 scale per row: about half of bf16
+
+
+def test_export_refuses_nan_before_yielding_it(tmp_path):
+    from portable_rl.convert.hf import get_param, load_hf_model
+    from portable_rl.convert.mapping import param_mappings
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines.quantize import is_quantized_projection
+    from portable_rl.testing import make_tiny_checkpoint
+
+    model, config = load_hf_model(make_tiny_checkpoint(tmp_path / "bf16", "qwen2"), param_dtype=jnp.float32,
+                                  compute_dtype=jnp.float32)
+    bad = [m for m in param_mappings(config) if is_quantized_projection(m.hf_name)][3]
+    param = get_param(model, bad.nnx_path)
+    param[...] = param[...].at[0, 0].set(jnp.nan)
+    names = []
+    with pytest.raises(NonFiniteWeightError, match=bad.hf_name.replace(".", r"\.") + " holds NaN or inf"):
+        for name, _ in iter_hf_tensors(model, config, quantization="int8_per_channel"):
+            names.append(name)
+    assert bad.hf_name not in names
