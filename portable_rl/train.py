@@ -132,7 +132,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True, share_prompts: bool = False,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
           remat: str = "none", progress: bool = True, memory_plan=None,
-          update_survival_stride: int = 16, mismatch_split: bool = True) -> list[dict]:
+          update_survival_stride: int = 16, mismatch_split: bool = True,
+          smoothquant_alpha: Optional[float] = None) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
@@ -149,6 +150,8 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     `mismatch_split`: with a probe (`probe_prompts` > 0), split its KL into `mismatch/quantization`,
     `mismatch/kernels` (and, async, `mismatch/staleness`): one more learner forward on the probe rows
     (rl/mismatch_split.py, docs/tis.md); False: off.
+    `smoothquant_alpha`: with an INT8 W8A8 engine, SmoothQuant factors (convert/smoothing.py) calibrated once
+    on the first training prompts and applied to every push (0.5 is SmoothQuant's default); None: off.
     `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
     learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
     learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
@@ -160,6 +163,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
     from portable_rl.rl.metrics import MetricsWriter
     from portable_rl.rl.preemption import StopRequest
     from portable_rl.rl.roles import EngineSide, FollowerSide
+    from portable_rl.rl.sync import smoothquant_for_run
     from portable_rl.rl.rollout import check_nonfinite_fraction
     from portable_rl.rl.update_survival import learner_weights
 
@@ -194,9 +198,11 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
         engine_quantization = procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None))
         if isinstance(side, FollowerSide):  # its share of the push quantizes as the driver's does
             side.engine_quantization = engine_quantization
+        side.smoothing = smoothquant_for_run(smoothquant_alpha, model=model, codec=codec, task=task, run_dir=run_dir,
+                                             engine_quantization=engine_quantization, procs=procs)
         survival = run.survival
         if survival:  # every process computes it (the tracked weights are sharded like the params)
-            survival.serving(engine_quantization)
+            survival.serving(engine_quantization if side.smoothing is None else f"{engine_quantization}+smoothquant")
             if survival.note and procs.is_driver:
                 print(survival.note, flush=True)
         rows = []
@@ -204,9 +210,9 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
             t_sync = time.perf_counter()
             if survival:  # the weights of the first push: the reference of the next one
                 survival.measure(learner_weights(model, optimizer))
-            if start_step:  # the engine loaded the starting checkpoint; give it the restored policy
-                side.push(model, model_config)
-            else:
+            if start_step or side.smoothing is not None:  # the engine loaded the starting checkpoint unsmoothed;
+                side.push(model, model_config)              # give it the restored (or smoothed) policy
+            if not start_step:
                 rows.append(side.write(0, {**side.heldout(), "time/sync": time.perf_counter() - t_sync}))
             last_heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
             bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,

@@ -53,3 +53,18 @@ def pytest_xdist_make_scheduler(config, log):
         return None  # any other --dist: xdist's own scheduler
     from portable_rl.testing.xdist_files import file_scheduler
     return file_scheduler({name: "ray" for name in RAY_FILES})(config, log)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct as an HF bf16 checkpoint: the repository's converted copy when a complete
+    one is there (`python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct`), else a fresh
+    conversion of the GGUF that scripts/setup.sh installs (~30 s)."""
+    from pathlib import Path
+
+    from portable_rl.convert import gguf
+
+    repo_checkpoint = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct"
+    if gguf.is_complete(repo_checkpoint):
+        return repo_checkpoint
+    return gguf.convert_gguf(tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")

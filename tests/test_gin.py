@@ -59,7 +59,8 @@ def test_rewrite_gin_args_quotes_bare_words_only():
 
 @pytest.mark.parametrize("name", TRAIN_FILES + ["grpo_bf16.gin", "dapo_fp8.gin+engines/sglang.gin",
                                                 "dapo_fp8.gin+recipes/sequence_tis.gin",
-                                                "dapo_fp8.gin+learner/mesh.gin"])
+                                                "dapo_fp8.gin+learner/mesh.gin",
+                                                "recipes/smollm2_arith_int8.gin"])
 def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     files = [f"gin/{f}" for f in name.split("+")]
     bindings = [f"RUN_DIR = '{tmp_path}/run'", "TRAIN_STEPS = 7", f"MODEL_PATH = '{data_files}/model'",
@@ -92,8 +93,11 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     assert gin.query_parameter(f"{scope}.name") == engine_name
     kwargs = gin_utils.query_value(f"{scope}.engine_init_kwargs")
     if engine_name == "vllm":
-        expected = "fp8" if "recipes/qwen" in name else None if "grpo" in name else "fp8_per_channel"
+        expected = ("fp8" if "recipes/qwen" in name else None if "grpo" in name else
+                    "int8_per_channel" if "int8" in name else "fp8_per_channel")
         assert kwargs["quantization"] == expected
+        if "int8" in name:  # the INT8 start checkpoint is written next to the run
+            assert gin_utils.query_value(f"{scope}.quantized_checkpoint_root") == f"{tmp_path}/run"
     else:
         assert gin_utils.query_value(f"{scope}.fp8_mode") == "blockwise"
 

@@ -22,7 +22,6 @@ activations, so every measure is several times bf16's. A wrong weight or tempera
 import json
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,19 +31,12 @@ from portable_rl.convert import gguf
 
 pytestmark = pytest.mark.slow
 
-REPO_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct"
 QUESTIONS = ["What is 7 times 8?", "Tom has 3 apples and buys 5 more. How many apples does he have now?",
              "Name a primary color.", "Write one sentence about the sea."]
 BF16_K1_MAX, BF16_K3_MAX = 0.02, 0.01
 FP8_K1_MAX, FP8_K3_MAX = 0.1, 0.2
+INT8_K1_MAX, INT8_K3_MAX = 0.15, 0.3
 SAMPLE_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    if gguf.is_complete(REPO_CHECKPOINT):
-        return REPO_CHECKPOINT
-    return gguf.convert_gguf(tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +206,14 @@ def test_vllm_fp8_per_channel_mismatch_is_larger_but_bounded(smollm2, codec, lea
     # FP8 weights really differ ...
     assert fp8["mean_abs"] > 2 * bf16_mismatch["mean_abs"] and fp8["k3"] > 5 * bf16_mismatch["k3"]
     assert abs(fp8["k1"]) <= FP8_K1_MAX and fp8["k3"] <= FP8_K3_MAX  # ... by a bounded amount
+
+
+def test_vllm_int8_per_channel_mismatch_is_larger_but_bounded(smollm2, codec, learner_fp32, bf16_mismatch, tmp_path):
+    from portable_rl.engines import create_engine
+
+    with create_engine("vllm", model_path=smollm2, max_model_len=256, quantized_checkpoint_root=str(tmp_path),
+                       engine_init_kwargs=dict(quantization="int8_per_channel")) as engine:
+        int8 = _k1_vs_learner(engine, codec, learner_fp32)
+    print("vLLM int8_per_channel vs fp32 learner:", int8)
+    assert int8["mean_abs"] > 2 * bf16_mismatch["mean_abs"] and int8["k3"] > 5 * bf16_mismatch["k3"]
+    assert abs(int8["k1"]) <= INT8_K1_MAX and int8["k3"] <= INT8_K3_MAX

@@ -137,10 +137,9 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
 
 
 # ---------------------------------------------------------------------------------------- export
-def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16", *, gather: bool = True
+def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
                 ) -> Iterator[tuple[ParamMapping, jax.Array]]:
-    """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`.
-    `gather=False` leaves each array as sharded as the learner holds it."""
+    """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`."""
     dtype = _DTYPES[_dtype_name(dtype)]
     for m in param_mappings(config):
         value = get_param(model, m.nnx_path)[...]
@@ -148,23 +147,31 @@ def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16", *, ga
         # A sharded learner (learner_jax/sharding.py) holds multi-device arrays, which DLPack cannot
         # export: gather this one parameter (after the cast: fewer bytes). Single-device arrays are
         # returned unchanged, so the unsharded path stays zero-copy.
-        yield m, (gather_for_export(value) if gather else value)
+        yield m, gather_for_export(value)
 
 
-def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", quantization: str | None = None
-                  ) -> Iterator[tuple[str, jax.Array, bool]]:
+def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", quantization: str | None = None,
+                  smoothing=None) -> Iterator[tuple[str, jax.Array, bool]]:
     """What a push sends, lazily: (HF name, array in the NNX layout, transpose to the HF layout?).
 
     `quantization="int8_per_channel"`: each decoder projection is quantized here, on the learner's devices
     and before the gather (`learner_jax.quantize.quantize_int8_per_channel` of its `dtype` cast), and sent
     as int8 `weight` + f32 `weight_scale` [out, 1], the engine's checkpoint format: half the bytes of bf16.
-    A projection holding NaN or inf raises `NonFiniteWeightError` before it is yielded. Every learner
-    process runs this in the same order (the gathers are collectives, rl/sync.py)."""
+    A projection holding NaN or inf raises `NonFiniteWeightError` before it is yielded. `smoothing`
+    (`convert.smoothing.Smoothing`, INT8 only) rescales norms and projections first. Every learner process
+    runs this in the same order (the gathers are collectives, rl/sync.py)."""
     if quantization not in (None, *LEARNER_QUANTIZED):
         raise ValueError(f"quantization={quantization!r}: the learner quantizes only {LEARNER_QUANTIZED}")
+    if smoothing is not None and quantization is None:
+        raise ValueError("SmoothQuant smoothing only makes sense for a W8A8 push (quantization='int8_per_channel')")
     if quantization is not None:
         from portable_rl.engines.quantize import NonFiniteWeightError, int8_scale_name, is_quantized_projection
-    for m, value in cast_params(model, config, dtype, gather=quantization is None):
+    dtype = _DTYPES[_dtype_name(dtype)]
+    for m in param_mappings(config):
+        value = get_param(model, m.nnx_path)[...]
+        if smoothing is not None:
+            value = smoothing.apply(m.hf_name, value)
+        value = value if value.dtype == dtype else value.astype(dtype)
         if quantization is None or not is_quantized_projection(m.hf_name):
             yield m.hf_name, gather_for_export(value), m.transpose
             continue

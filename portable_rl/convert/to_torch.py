@@ -30,14 +30,16 @@ def __getattr__(name):  # `to_torch.bucketed`, re-exported lazily: engines bucke
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16", quantization: str | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16", quantization: str | None = None,
+                    smoothing=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, torch tensor in HF shape and `dtype`), one parameter at a time; with
-    `quantization="int8_per_channel"` the projections as int8 + `weight_scale` (`convert.hf.export_arrays`).
+    `quantization="int8_per_channel"` the projections as int8 + `weight_scale`, smoothed first with
+    `smoothing` (`convert.hf.export_arrays`).
 
     Transposed weights are non-contiguous views; call `.contiguous()` if a consumer needs packed memory.
     """
-    for name, array, transpose in export_arrays(model, config, dtype=dtype, quantization=quantization):
+    for name, array, transpose in export_arrays(model, config, dtype=dtype, quantization=quantization,
+                                                   smoothing=smoothing):
         tensor = jax_to_torch(array)
         yield name, (tensor.T if transpose else tensor)
 

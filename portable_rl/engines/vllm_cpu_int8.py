@@ -36,6 +36,7 @@ def _keep_handler_scale_alive(process_weights_for_onednn):
         setattr(self, _SCALE_ATTR, getattr(layer, w_s_name))  # the tensor create_onednn_scaled_mm was given
 
     process_weights_for_onednn_keeping_scale._portable_rl_wrapped = True
+    process_weights_for_onednn_keeping_scale._portable_rl_original = process_weights_for_onednn
     return process_weights_for_onednn_keeping_scale
 
 

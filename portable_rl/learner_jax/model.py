@@ -57,8 +57,12 @@ class Linear(nnx.Module):
                                                               param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
         self.compute_dtype = compute_dtype
+        self.record_input_absmax = False  # static; on only while convert.smoothing calibrates (eager)
 
     def __call__(self, x):  # [..., in] -> [..., out] compute dtype
+        if self.record_input_absmax:  # per input channel max |x| over every position: [in]
+            self.sow(nnx.Intermediate, "input_absmax", jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]),
+                                                               axis=0))
         y = dense(x, self.kernel[...], self.compute_dtype, self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)

@@ -57,6 +57,7 @@ class EngineSide:
         self.bucket_mb, self.procs = bucket_mb, procs
         self.split = MismatchSplit(staleness=async_rollouts) if mismatch_split else None
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
+        self.smoothing = None  # SmoothQuant factors of an INT8 engine's pushes (rl.sync.smoothquant_for_run)
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
         return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
@@ -84,12 +85,12 @@ class EngineSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")  # others wait here, not in a gather (async: generation runs on)
-        push_weights(self.engine, model, model_config, self.bucket_mb)
+        push_weights(self.engine, model, model_config, self.bucket_mb, smoothing=self.smoothing)
 
     def probe(self, learner) -> dict:
         return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,
                          max_tokens=self.cfg.max_response_tokens, pad_id=self.codec.pad_id,
-                         share=self.procs.broadcast, split=self.split)
+                         share=self.procs.broadcast, split=self.split, smoothed=self.smoothing is not None)
 
     def heldout(self) -> dict:
         summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)
@@ -117,6 +118,7 @@ class FollowerSide:
     def __init__(self, procs: Processes, *, cfg, pad_id: int):
         self.procs, self.cfg, self.pad_id = procs, cfg, pad_id
         self.engine_quantization = None  # the driver's engine's, broadcast at start (the push quantizes for it)
+        self.smoothing = None  # and its SmoothQuant factors, as the driver's
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         wire, metrics = self.procs.broadcast()
@@ -127,7 +129,7 @@ class FollowerSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")
-        join_weight_export(model, model_config, self.engine_quantization)
+        join_weight_export(model, model_config, self.engine_quantization, smoothing=self.smoothing)
 
     def probe(self, learner) -> dict:
         follow_probe(learner, self.procs.broadcast)

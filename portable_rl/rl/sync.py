@@ -16,6 +16,7 @@ and the others score them too, the mismatch split's forwards included (`follow_p
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -31,12 +32,13 @@ PROBE_SEED = 1234
 _BUCKET_MB_WARNED = False
 
 
-def push_weights(engine, model, model_config, bucket_mb: int | None = None) -> None:
+def push_weights(engine, model, model_config, bucket_mb: int | None = None, *, smoothing=None) -> None:
     """engine.update_weights(the model's bf16 (hf_name, tensor) pairs, one flat lazy iterator).
 
     `bucket_mb` is deprecated and ignored (kept one release): adapters bucket for their own transport
     (`SGLangEngine(bucket_bytes=...)`, `RayEngineFleet(bucket_bytes=...)`), and the learner-side buckets it
-    sized were flattened again by every in-tree adapter."""
+    sized were flattened again by every in-tree adapter. `smoothing` (`convert.smoothing`): SmoothQuant
+    factors an INT8 engine's push is rescaled with."""
     global _BUCKET_MB_WARNED
     if bucket_mb is not None and not _BUCKET_MB_WARNED:
         _BUCKET_MB_WARNED = True
@@ -44,7 +46,7 @@ def push_weights(engine, model, model_config, bucket_mb: int | None = None) -> N
                       "for their own transport; set the adapter's bucket_bytes instead", FutureWarning,
                       stacklevel=2)
     engine.update_weights(iter_hf_tensors(model, model_config, dtype="bfloat16",
-                                          quantization=push_quantization(engine.quantization)))
+                                          quantization=push_quantization(engine.quantization), smoothing=smoothing))
 
 
 def push_quantization(engine_quantization: str | None) -> str | None:
@@ -53,11 +55,41 @@ def push_quantization(engine_quantization: str | None) -> str | None:
     return engine_quantization if engine_quantization in LEARNER_QUANTIZED else None
 
 
-def join_weight_export(model, model_config, engine_quantization: str | None = None) -> None:
+SMOOTHQUANT_FILE = "smoothquant_factors.npz"
+SMOOTHQUANT_PROMPTS = 8
+
+
+def smoothquant_for_run(alpha: float | None, *, model, codec, task, run_dir: str, engine_quantization, procs):
+    """The run's SmoothQuant factors (`convert.smoothing`), or None when `alpha` is None.
+
+    Read from `run_dir` when an earlier start of this run wrote them, so a resumed run pushes exactly what
+    the uninterrupted one would; else calibrated on the learner's current weights with the first training
+    batch's `SMOOTHQUANT_PROMPTS` prompts (every process runs the sharded forward) and saved."""
+    from portable_rl.convert.smoothing import Smoothing, calibrate
+    from portable_rl.errors import ConfigError
+
+    if alpha is None:
+        return None
+    if push_quantization(engine_quantization) is None:
+        raise ConfigError(f"train.smoothquant_alpha={alpha}: SmoothQuant flattens the activations of W8A8 "
+                          f"engines, and this engine serves {engine_quantization!r}; set QUANTIZATION = "
+                          "'int8_per_channel' or train.smoothquant_alpha = None")
+    path = os.path.join(run_dir, SMOOTHQUANT_FILE)
+    saved = procs.broadcast(Smoothing.load(path).factors if procs.is_driver and os.path.exists(path) else None)
+    if saved is not None:
+        return Smoothing(saved)
+    smoothing = calibrate(model, [codec.encode_prompt(e.prompt) for e in task.train_batch(0, 0, SMOOTHQUANT_PROMPTS)],
+                          alpha)
+    if procs.is_driver:
+        smoothing.save(path)
+    return smoothing
+
+
+def join_weight_export(model, model_config, engine_quantization: str | None = None, *, smoothing=None) -> None:
     """A non-driver process's half of `push_weights`: the same casts, quantizers and per-parameter gathers in
     the same order (collectives across processes), and no torch tensors."""
     for _ in export_arrays(model, model_config, dtype="bfloat16",
-                           quantization=push_quantization(engine_quantization)):
+                           quantization=push_quantization(engine_quantization), smoothing=smoothing):
         pass
 
 
@@ -90,18 +122,20 @@ def follow_probe(learner, share) -> None:
 
 
 def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, pad_id: int, share=None,
-              split: MismatchSplit | None = None) -> dict:
+              split: MismatchSplit | None = None, smoothed: bool = False) -> dict:
     """probe/* (engines/probe.py) and time/probe; with `split`, also mismatch/* and time/mismatch_split
     (rl/mismatch_split.py). The split's forwards run before the bf16 check, so that every learner process
-    joins the same collectives whatever the check decides."""
+    joins the same collectives whatever the check decides. `smoothed`: the pushes carry SmoothQuant factors,
+    which the split's weight emulation does not model (only its staleness part is reported)."""
     t_probe = time.perf_counter()
     quantization = engine.quantization  # part of the engine contract (engines/base.py)
+    modelled = f"{quantization}+smoothquant" if smoothed else quantization
     rollouts = probe_lib.sample_probe(engine, prompts, temperature=temperature, max_tokens=max_tokens,
                                       seed=PROBE_SEED)
     prompt_ids, responses = [r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts]
     message, spans = probe_rows(prompt_ids, responses, pad_id)
     if split is not None:
-        message["mismatch"] = split.plan(quantization)
+        message["mismatch"] = split.plan(modelled)
     message = share(message) if share is not None else message
     reference = response_slices(learner.logprobs(message["input_ids"], message["attention_mask"]), spans)
     t_split = time.perf_counter()
@@ -113,7 +147,7 @@ def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, 
     metrics = result.as_metrics("probe/")
     if split is not None:
         t_split = time.perf_counter()
-        metrics.update(split.metrics(message, spans, engine_logprobs, reference, forwards, quantization))
+        metrics.update(split.metrics(message, spans, engine_logprobs, reference, forwards, modelled))
         metrics["time/mismatch_split"] = split_seconds + time.perf_counter() - t_split
     metrics["time/probe"] = time.perf_counter() - t_probe
     return metrics

