@@ -1,4 +1,4 @@
-"""One short GPU check (H200): learner MFU, zero-copy DLPack JAX -> torch, trainer-side FP8 quantizer GB/s.
+"""One short GPU check (H200): learner MFU, zero-copy DLPack JAX -> torch, trainer-side FP8 / INT8 quantizer GB/s.
 
   (i)   MFU of the jitted train step (`make_train_step` + `make_optimizer`, policy-gradient loss over
         `sequence_logprobs`) for a ~1B-parameter random Qwen2-like model, float32 master params, bf16 compute:
@@ -14,6 +14,10 @@
         a torch CUDA tensor whose data_ptr equals the JAX buffer's address; plus the conversion's GiB/s.
   (iii) `engines.quantize` 128x128 blockwise FP8 of every decoder projection, GB/s of bf16 input, both on
         contiguous bf16 tensors and end to end from the Flax params (cast + DLPack + transposed views).
+  (iv)  the learner-side INT8 push quantizer (`learner_jax.quantize.quantize_int8_per_channel`, jitted, on
+        the learner's device), GB/s of bf16 input over every projection, and end to end: the whole INT8
+        push (`iter_hf_tensors(quantization="int8_per_channel")`), every int8 / scale tensor a zero-copy
+        DLPack view (counted); bit-equal to the torch quantizer on one projection.
 
 Results go to $OUT/gpu_check.json (or --out) and stdout. Each check records its own error and the others
 still run; the exit status is non-zero if any failed. `--dry-run` runs everything on CPU with a tiny model
@@ -246,6 +250,53 @@ def check_quantizer(model, config, device: str, reps: int) -> dict:
             "ok": err <= bound and q.dtype == torch.float8_e4m3fn}
 
 
+def check_int8_quantizer(model, config, device: str, reps: int) -> dict:
+    import jax
+    import torch
+
+    from portable_rl.convert.hf import get_param
+    from portable_rl.convert.mapping import param_mappings
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines.quantize import is_quantized_projection, quantize_int8_per_channel as torch_int8
+    from portable_rl.learner_jax.quantize import quantize_int8_per_channel
+
+    kernels = [get_param(model, m.nnx_path)[...].astype("bfloat16") for m in param_mappings(config)
+               if is_quantized_projection(m.hf_name)]
+    quantize = jax.jit(quantize_int8_per_channel)
+    n_bytes = sum(k.size * 2 for k in kernels)
+
+    def quantize_all():
+        jax.block_until_ready([quantize(k) for k in kernels])
+
+    quantize_all()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        quantize_all()
+        times.append(time.perf_counter() - start)
+    t_quantize = statistics.median(times)
+
+    def push():
+        out = list(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    push()
+    start = time.perf_counter()
+    pairs = push()
+    t_push = time.perf_counter() - start
+    on_device = sum(t.device.type == device for _, t in pairs)
+    q, scale, _ = quantize(kernels[0])
+    q_t, s_t = torch_int8(torch.from_dlpack(kernels[0]).T.float().cpu())
+    equal = bool(torch.equal(torch.from_dlpack(q).T.cpu(), q_t) and torch.equal(torch.from_dlpack(scale).cpu(), s_t[:, 0]))
+    push_bytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    return {"projections": len(kernels), "bf16_GB": n_bytes / 1e9, "quantize_s": t_quantize,
+            "quantize_GB_per_s": n_bytes / 1e9 / t_quantize, "push_s": t_push, "push_GB": push_bytes / 1e9,
+            "tensors": len(pairs), "tensors_on_device": on_device, "bit_equal_to_torch": equal,
+            "ok": equal and on_device == len(pairs)}
+
+
 # --------------------------------------------------------------------------------------------- driver
 def write_results(results: dict, out_dir: str) -> str:
     """Writes (or rewrites) out_dir/gpu_check.json; called after every check so a timeout keeps the rest."""
@@ -288,8 +339,9 @@ def main():
     results["mfu"]["ok"] = results["mfu"].get("ok", "error" not in results["mfu"])
     run_check(results, "dlpack", check_dlpack, model, config, device)
     run_check(results, "fp8_quantizer", check_quantizer, model, config, device, 3)
+    run_check(results, "int8_quantizer", check_int8_quantizer, model, config, device, 3)
     results["total_s"] = time.perf_counter() - t0
-    results["ok"] = all(results[k].get("ok") for k in ("mfu", "dlpack", "fp8_quantizer"))
+    results["ok"] = all(results[k].get("ok") for k in ("mfu", "dlpack", "fp8_quantizer", "int8_quantizer"))
     path = write_results(results, args.out)
     print(json.dumps(results, indent=2))
     print(f"gpu_check: wrote {path}; {'all checks ok' if results['ok'] else 'SOME CHECKS FAILED'} "

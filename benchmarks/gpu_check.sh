@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short GPU check for a lent H200 (no network, no vLLM/SGLang needed): learner MFU of a ~1B Qwen2-like
-# model in bf16, zero-copy DLPack JAX -> torch on the GPU, trainer-side FP8 quantizer GB/s; then the
+# model in bf16, zero-copy DLPack JAX -> torch on the GPU, trainer-side FP8 and INT8 quantizer GB/s; then the
 # colocated smoke test (benchmarks/colocation_check.py): a JAX learner step and a torch process holding the
 # memory plan's engine share on the same GPU, time-shared (sleep -> learner -> wake weights -> push -> wake KV
 # cache), both peaks against the plan's prediction; the same with a real vLLM engine where vLLM is installed.

@@ -194,8 +194,8 @@ def _served_by(engine) -> str:
 def _first_linear_kernel(worker) -> str:
     """Inside the worker: the GEMM behind the first decoder projection (its kernel class and path)."""
     for module in worker.model_runner.get_model().modules():
-        scheme = getattr(module, "scheme", None)
-        kernel = getattr(scheme, "kernel", None) or getattr(getattr(module, "quant_method", None), "kernel", None)
+        method = getattr(module, "quant_method", None)  # vLLM's online FP8 keeps its kernel as `fp8_linear`
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "fp8_linear", None)
         if kernel is not None:
             method = getattr(kernel, "linear_method", None)
             return type(kernel).__name__ + (f".{method.__name__}" if method is not None else "")

@@ -17,6 +17,10 @@ All rates are bytes of the bf16 HF tensors (the payload an engine receives) per 
                 contiguous memory, `sglang_adapter.torch_owned`): the CPU side of the transport, without
                 SGLang's own pickling (which needs the GPU engine)
   sglang fp8    the same in blockwise mode: projections quantized 128x128 (fresh tensors), the rest copied
+  int8 convert  Flax params → the INT8 push (`iter_hf_tensors(quantization="int8_per_channel")`: each projection
+                quantized per channel in JAX, int8 + f32 scales into torch by DLPack); its own payload in bytes
+  int8 push     int8 convert + `update_weights` into an INT8 W8A8 engine (reload of int8 + scales)
+  int8 bf16     the bf16 push into the same INT8 engine, which quantizes in torch (what every anchor does)
 
 Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
 
@@ -150,15 +154,38 @@ def main():
     assert engine.generate(probe, sampling)[0].response_token_ids == reference
     engine.close()
 
+    def convert_int8():
+        for _, tensor in iter_hf_tensors(model, config, quantization="int8_per_channel"):
+            pass
+
+    int8_bytes = sum(t.numel() * t.element_size()
+                     for _, t in iter_hf_tensors(model, config, quantization="int8_per_channel"))
+    t_convert_int8 = timed(convert_int8, args.repeats)
+    engine = create_engine("vllm", model_path=ckpt, max_model_len=256, engine_init_kwargs={"quantization":
+                           "int8_per_channel"}, quantized_checkpoint_root=os.path.join(workdir, "quantized"))
+    reference = engine.generate(probe, sampling)[0].response_token_ids
+    t_push_int8 = timed(lambda: engine.update_weights(
+        iter_hf_tensors(model, config, quantization="int8_per_channel")), args.repeats)
+    t_push_int8_bf16 = timed(lambda: engine.update_weights(iter_hf_tensors(model, config)), args.repeats)
+    assert engine.generate(probe, sampling)[0].response_token_ids == reference
+    engine.close()
+
     rows = [("memcpy (torch copy_)", t_memcpy), ("convert Flax→torch", t_convert),
             ("optimizer update (AdamW" + (" + f32 master → bf16 params)" if args.param_dtype == "bfloat16"
                                           else ", f32 params)"), t_update),
             ("push into vLLM (convert+reload)", t_push), ("disk: save safetensors + reload", t_disk),
             ("sglang copy: convert + buckets to torch-owned", t_sglang),
             ("sglang fp8: convert + blockwise quantize / copy", t_sglang_fp8)]
-    print("\n| path | time (s) | GiB/s |\n|---|---|---|")
-    for name, t in rows:
-        print(f"| {name} | {t:.3f} | {n_bytes / gib / t:.2f} |")
+    rows += [("int8 convert: JAX quantize → torch", t_convert_int8, int8_bytes),
+             ("int8 push: learner-quantized into INT8 vLLM", t_push_int8, int8_bytes),
+             ("int8 bf16: bf16 push into INT8 vLLM (torch quantizes)", t_push_int8_bf16, n_bytes)]
+    print("\n| path | payload (GiB) | time (s) | GiB/s |\n|---|---|---|---|")
+    for name, t, *payload in rows:
+        size = payload[0] if payload else n_bytes
+        print(f"| {name} | {size / gib:.3f} | {t:.3f} | {size / gib / t:.2f} |")
+    print(f"\nINT8 push payload: {int8_bytes / n_bytes:.2f}x the bf16 push's bytes; learner-quantized push "
+          f"{t_push_int8_bf16 / t_push_int8:.2f}x faster than a bf16 push into the same INT8 engine, "
+          f"{t_push / t_push_int8:.2f}x the bf16 push into a bf16 engine")
     print(f"\nconvert / memcpy throughput: {t_memcpy / t_convert:.2f}x (target >= 0.8x)")
     print(f"push / disk throughput:      {t_disk / t_push:.2f}x (target >= 3x)")
     if args.workdir is None:

@@ -183,6 +183,8 @@ def test_push_weights_hands_the_engine_one_flat_lazy_iterator(qwen2, monkeypatch
     from portable_rl.rl import sync
 
     class Recorder:
+        quantization = None  # part of the contract: an engine serving what it is pushed (bf16)
+
         def update_weights(self, named_tensors):
             self.lazy = isinstance(named_tensors, types.GeneratorType)
             self.items = list(named_tensors)
