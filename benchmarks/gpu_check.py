@@ -265,16 +265,7 @@ def check_int8_quantizer(model, config, device: str, reps: int) -> dict:
     quantize = jax.jit(quantize_int8_per_channel)
     n_bytes = sum(k.size * 2 for k in kernels)
 
-    def quantize_all():
-        jax.block_until_ready([quantize(k) for k in kernels])
-
-    quantize_all()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        quantize_all()
-        times.append(time.perf_counter() - start)
-    t_quantize = statistics.median(times)
+    t_quantize = bench_common.timed(lambda: jax.block_until_ready([quantize(k) for k in kernels]), reps)
 
     def push():
         out = list(iter_hf_tensors(model, config, quantization="int8_per_channel"))

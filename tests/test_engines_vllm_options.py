@@ -47,3 +47,19 @@ def test_gin_exposes_enforce_eager():
         assert gin_utils.query_value("vllm/engines.create_engine.enforce_eager") is False
     finally:
         gin.clear_config()
+
+
+def test_vllm_outside_the_tested_minor_release_is_refused_in_one_line():
+    import vllm
+
+    from portable_rl.engines.vllm_adapter import check_vllm_version
+    from portable_rl.errors import ConfigError
+
+    check_vllm_version(vllm.__version__)  # the installed one is supported
+    for version in ("0.32.0", "0.32.4+cpu", "0.32.1rc1"):
+        check_vllm_version(version)
+    for version in ("0.31.2", "0.33.0", "1.0.0", "dev"):
+        with pytest.raises(ConfigError, match=rf"^vLLM {version} is installed, .* tested with 0.32.x only; "
+                                              r"pip install 'vllm==0.32.\*'") as err:
+            check_vllm_version(version)
+        assert "\n" not in str(err.value)

