@@ -155,6 +155,33 @@ def test_quantized_learner_scores_the_quantized_copy():
     assert not np.allclose(fused, learner.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0, atol=1e-6)
 
 
+def test_served_view_of_a_smoothed_int8_push_is_its_weights():
+    """With SmoothQuant factors the served view scores the smoothed, int8-quantized weights the push sends."""
+    import torch
+
+    from portable_rl.convert.mapping import param_mappings
+    from portable_rl.convert.smoothing import calibrate
+    from portable_rl.convert.to_torch import iter_hf_tensors
+
+    learner = make_learner()
+    rows, _ = probe_rows(PROMPTS, RESPONSES, 0)
+    smoothing = calibrate(learner.model, PROMPTS)
+    served = quantized_learner(learner, "int8_per_channel", smoothing.factors).logprobs(
+        rows["input_ids"], rows["attention_mask"])
+    pushed = dict(iter_hf_tensors(learner.model, CONFIG, quantization="int8_per_channel", smoothing=smoothing))
+    on_copy = copy.copy(learner)
+    on_copy.model = copy.deepcopy(learner.model)
+    for m in param_mappings(CONFIG):  # the pushed tensors, dequantized, as the copy's parameters
+        t = pushed[m.hf_name].float()
+        if pushed[m.hf_name].dtype == torch.int8:
+            t = t * pushed[m.hf_name.removesuffix("weight") + "weight_scale"]
+        get_param(on_copy.model, m.nnx_path)[...] = jnp.asarray((t.T if m.transpose else t).numpy())
+    np.testing.assert_allclose(served, on_copy.logprobs(rows["input_ids"], rows["attention_mask"]), rtol=0,
+                               atol=2e-3)  # the push also rounds norms and embeddings to bf16
+    plain = quantized_learner(learner, "int8_per_channel").logprobs(rows["input_ids"], rows["attention_mask"])
+    assert not np.allclose(served, plain, rtol=0, atol=1e-5)  # the factors change what is served
+
+
 def test_async_forwards_in_one_call_equal_the_two_separate_ones():
     """Async mode runs the quantized forward and staleness's in one call (rows of different widths stacked):
     each part equals its own separate call."""

@@ -11,6 +11,7 @@ float32), and vLLM's fp8_per_channel engine.
   (the activation quantization).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -128,3 +129,29 @@ def test_vllm_fp8_per_channel_split(ckpt, learner, bf16_results):
     assert m["mismatch/quantization"] > 10 * bf16["probe/kl"]  # the weight quantization is seen ...
     # ... and the activation quantization (not emulated) is in the kernels part, above a bf16 engine's
     assert m["mismatch/kernels"] > 3 * bf16["mismatch/kernels"]
+
+
+def test_vllm_int8_split_and_smoothquant(ckpt, learner, bf16_results, tmp_path):
+    """INT8 W8A8: the served view's weights are the pushed int8 codes bit for bit (tests/test_quantize_jax.py),
+    its per-token activations land in kernels; a push carrying SmoothQuant factors is split with them (the
+    served view applies them), and without them the split attributes the smoothing to the kernels."""
+    from portable_rl.convert.smoothing import calibrate
+    from portable_rl.rl.sync import push_weights
+
+    bf16, _ = bf16_results
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(quantization="int8_per_channel"),
+                       quantized_checkpoint_root=str(tmp_path)) as int8:
+        m = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit())
+        smoothing = calibrate(learner.model, PROMPTS)
+        push_weights(int8, learner.model, learner.model.config, smoothing=smoothing)
+        smoothed = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit(), smoothing=smoothing)
+        unmodelled = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit())  # factors not given
+    print(f"vLLM int8: {m}\n  smoothed: {smoothed}\n  smoothed, split without the factors: {unmodelled}")
+    for r in (m, smoothed, unmodelled):
+        assert adds_up(r)
+    assert m["mismatch/quantization"] > 3 * bf16["probe/kl"]  # the weight quantization is seen
+    assert smoothed["probe/kl"] == unmodelled["probe/kl"]  # the same engine and samples: only the split differs
+    # with the factors the served view is the engine's weights again: the quantization part is the int8
+    # rounding alone, not the smoothing's rescaling of every weight
+    assert smoothed["mismatch/quantization"] < unmodelled["mismatch/quantization"]
+    assert smoothed["mismatch/quantization_max_abs_diff"] < unmodelled["mismatch/quantization_max_abs_diff"]

@@ -30,8 +30,8 @@ uncorrelated across tokens; it is not a KL and can be negative.
 Q, per the engine's `quantization` (engines/base.py):
     None                 identity: no extra forward; quantization = 0 exactly, kernels = probe/kl
     "fp8_per_channel"    vLLM's online per-output-channel e4m3         (learner_jax/quantize.py, each checked
-    "int8_per_channel"   INT8 W8A8's per-output-channel int8 weights     against the engine's own values)
-                         (weights only: the engine's per-token int8 activations fall in `kernels`)
+    "int8_per_channel"   INT8 W8A8's per-output-channel int8 weights     against the engine's own values),
+                         after the push's SmoothQuant factors when it carries them (`convert.smoothing`)
     anything else        not modelled: no quantization / kernels parts (a warning, once); probe/kl as before
 
 Staleness (async rollouts, rl/async_rollout.py: step k+1's batch was sampled by the engine serving θ_{k−1}
@@ -59,6 +59,8 @@ import numpy as np
 from flax import nnx
 
 from portable_rl.convert.hf import get_param
+from portable_rl.convert.mapping import param_mappings
+from portable_rl.convert.smoothing import Smoothing
 from portable_rl.engines.probe import compare_logprobs
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
 from portable_rl.rl.update_survival import projection_paths
@@ -86,20 +88,33 @@ def with_quantized_projections(model, quantization: str):
     return quantized_model
 
 
+def _serve_as_engine(model, quantization: str, smoothing_factors) -> None:
+    """Turns `model` (a copy inside a trace) into the weights the engine serves: the push's SmoothQuant
+    rescaling (`convert.smoothing`, when `smoothing_factors`), then the weight quantizer of every projection."""
+    if smoothing_factors is not None:
+        smoothing = Smoothing(smoothing_factors)
+        for m in param_mappings(model.config):
+            if m.hf_name in smoothing.transforms:
+                param = get_param(model, m.nnx_path)
+                param[...] = smoothing.apply(m.hf_name, param[...])
+    paths = projection_paths(model.config)
+    for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
+        get_param(model, path)[...] = q
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward"))
-def _forward_of_state(state, input_ids, attention_mask, *, graphdef, quantization, forward):
-    """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`), its projections first
-    quantized unless `quantization` is None, in one XLA program: the quantized kernels are temporaries of it
-    (no model copy to build), and the call costs one jit dispatch on the state, not an `nnx.jit`'s."""
+def _forward_of_state(state, input_ids, attention_mask, smoothing_factors=None, *, graphdef, quantization, forward):
+    """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`), served as the engine
+    serves it (`_serve_as_engine`) unless `quantization` is None, in one XLA program: the quantized kernels
+    are temporaries of it (no model copy to build), and the call costs one jit dispatch on the state, not an
+    `nnx.jit`'s."""
     model = nnx.merge(graphdef, state)  # a copy inside the trace: the caller's model is not changed
     if quantization is not None:
-        paths = projection_paths(model.config)
-        for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
-            get_param(model, path)[...] = q
+        _serve_as_engine(model, quantization, smoothing_factors)
     return forward(model, input_ids, attention_mask)
 
 
-def scoring_learner(learner, quantization: str | None = None):
+def scoring_learner(learner, quantization: str | None = None, smoothing_factors=None):
     """`learner` whose `logprobs` runs its forward through `_forward_of_state` (`Learner.scoring_view`: the
     jitted forward `Learner.logprobs` calls, within its row padding and mesh, wrapped), quantizing the
     projections first when `quantization` is set.
@@ -109,24 +124,26 @@ def scoring_learner(learner, quantization: str | None = None):
     def wrap(forward):
         def forward_of_state(model, input_ids, attention_mask):
             graphdef, state = nnx.split(model)
-            return _forward_of_state(state, input_ids, attention_mask, graphdef=graphdef, quantization=quantization,
-                                     forward=forward)
+            return _forward_of_state(state, input_ids, attention_mask, smoothing_factors, graphdef=graphdef,
+                                     quantization=quantization, forward=forward)
         return forward_of_state
 
     return learner.scoring_view(wrap)
 
 
-def quantized_learner(learner, quantization: str):
-    """`learner` scoring with its decoder projections quantized by the engine's `quantization`."""
-    return scoring_learner(learner, quantization)
+def quantized_learner(learner, quantization: str, smoothing_factors=None):
+    """`learner` scoring as the engine serves it: its decoder projections quantized by the engine's
+    `quantization` (and activations, where emulated), after the push's SmoothQuant factors if any."""
+    return scoring_learner(learner, quantization, smoothing_factors)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward", "split"))
-def _quantized_then_current_of_state(state, input_ids, attention_mask, *, graphdef, quantization, forward, split):
+def _quantized_then_current_of_state(state, input_ids, attention_mask, smoothing_factors=None, *, graphdef,
+                                     quantization, forward, split):
     """Rows [:split] under quantized projections, rows [split:] under the model's own: async mode's two
     forwards in one XLA program and one dispatch (the state is flattened once)."""
-    quantized = _forward_of_state(state, input_ids[:split], attention_mask[:split], graphdef=graphdef,
-                                  quantization=quantization, forward=forward)
+    quantized = _forward_of_state(state, input_ids[:split], attention_mask[:split], smoothing_factors,
+                                  graphdef=graphdef, quantization=quantization, forward=forward)
     current = _forward_of_state(state, input_ids[split:], attention_mask[split:], graphdef=graphdef,
                                 quantization=None, forward=forward)
     return jnp.concatenate([quantized, current], axis=0)
@@ -155,16 +172,16 @@ def extra_forwards(learner, message: dict) -> dict:
         def wrap(forward):
             def forward_of_state(model, input_ids, attention_mask):
                 graphdef, state = nnx.split(model)
-                return _quantized_then_current_of_state(state, input_ids, attention_mask, graphdef=graphdef,
-                                                        quantization=plan["quantizer"], forward=forward,
-                                                        split=probe_rows)
+                return _quantized_then_current_of_state(state, input_ids, attention_mask, plan.get("smoothing"),
+                                                        graphdef=graphdef, quantization=plan["quantizer"],
+                                                        forward=forward, split=probe_rows)
             return forward_of_state
         logp = learner.scoring_view(wrap).logprobs(both["input_ids"], both["attention_mask"])
         width = lambda x: np.shape(x)[1]
         return {"quantized": logp[:probe_rows, :width(message["input_ids"])],
                 "current_on_previous": logp[probe_rows:probe_rows + len(rows["input_ids"]), :width(rows["input_ids"])]}
     if plan["quantizer"] is not None:
-        out["quantized"] = quantized_learner(learner, plan["quantizer"]).logprobs(
+        out["quantized"] = quantized_learner(learner, plan["quantizer"], plan.get("smoothing")).logprobs(
             message["input_ids"], message["attention_mask"])
     if rows is not None:
         out["current_on_previous"] = scoring_learner(learner).logprobs(rows["input_ids"], rows["attention_mask"])
@@ -188,15 +205,17 @@ class MismatchSplit:
         self._previous = None  # (rows {"input_ids", "attention_mask"}, spans, learner logprobs per sequence)
         self._warned = False
 
-    def plan(self, quantization: str | None) -> dict:
+    def plan(self, quantization: str | None, smoothing=None) -> dict:
+        """`smoothing`: the `convert.smoothing.Smoothing` the engine's pushes carry (INT8), or None."""
         if quantization not in MODELLED and not self._warned:
             self._warned = True
             warnings.warn(f"mismatch/quantization and mismatch/kernels: the engine's quantization {quantization!r} "
                           f"is not modelled (modelled: {', '.join(map(str, MODELLED))}); only probe/kl "
                           "and mismatch/staleness are reported", stacklevel=2)
         previous = self._previous[0] if self._previous is not None else None
-        return {"quantizer": quantization if quantization in WEIGHT_QUANTIZERS else None,
-                "previous_rows": previous}
+        quantizer = quantization if quantization in WEIGHT_QUANTIZERS else None
+        return {"quantizer": quantizer, "previous_rows": previous,
+                "smoothing": smoothing.factors if smoothing is not None and quantizer is not None else None}
 
     def metrics(self, message: dict, spans, engine_logprobs, learner_logprobs, forwards: dict,
                 quantization: str | None) -> dict[str, float]:

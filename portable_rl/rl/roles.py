@@ -90,7 +90,7 @@ class EngineSide:
     def probe(self, learner) -> dict:
         return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,
                          max_tokens=self.cfg.max_response_tokens, pad_id=self.codec.pad_id,
-                         share=self.procs.broadcast, split=self.split, smoothed=self.smoothing is not None)
+                         share=self.procs.broadcast, split=self.split, smoothing=self.smoothing)
 
     def heldout(self) -> dict:
         summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)

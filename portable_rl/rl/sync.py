@@ -122,20 +122,19 @@ def follow_probe(learner, share) -> None:
 
 
 def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, pad_id: int, share=None,
-              split: MismatchSplit | None = None, smoothed: bool = False) -> dict:
+              split: MismatchSplit | None = None, smoothing=None) -> dict:
     """probe/* (engines/probe.py) and time/probe; with `split`, also mismatch/* and time/mismatch_split
     (rl/mismatch_split.py). The split's forwards run before the bf16 check, so that every learner process
-    joins the same collectives whatever the check decides. `smoothed`: the pushes carry SmoothQuant factors,
-    which the split's weight emulation does not model (only its staleness part is reported)."""
+    joins the same collectives whatever the check decides. `smoothing`: the SmoothQuant factors the pushes
+    carry (`convert.smoothing`), which the split's served view applies too."""
     t_probe = time.perf_counter()
     quantization = engine.quantization  # part of the engine contract (engines/base.py)
-    modelled = f"{quantization}+smoothquant" if smoothed else quantization
     rollouts = probe_lib.sample_probe(engine, prompts, temperature=temperature, max_tokens=max_tokens,
                                       seed=PROBE_SEED)
     prompt_ids, responses = [r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts]
     message, spans = probe_rows(prompt_ids, responses, pad_id)
     if split is not None:
-        message["mismatch"] = split.plan(modelled)
+        message["mismatch"] = split.plan(quantization, smoothing)
     message = share(message) if share is not None else message
     reference = response_slices(learner.logprobs(message["input_ids"], message["attention_mask"]), spans)
     t_split = time.perf_counter()
@@ -147,7 +146,7 @@ def run_probe(engine, learner, prompts, *, temperature: float, max_tokens: int, 
     metrics = result.as_metrics("probe/")
     if split is not None:
         t_split = time.perf_counter()
-        metrics.update(split.metrics(message, spans, engine_logprobs, reference, forwards, modelled))
+        metrics.update(split.metrics(message, spans, engine_logprobs, reference, forwards, quantization))
         metrics["time/mismatch_split"] = split_seconds + time.perf_counter() - t_split
     metrics["time/probe"] = time.perf_counter() - t_probe
     return metrics
