@@ -91,3 +91,27 @@ def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
     for r in rows:
         assert r["tis/valid_tokens"] > 0 and abs(r["tis/kl"]) <= 0.01, r["tis/kl"]
     assert "DapoConfig.top_p = 0.8" in (run / "config.gin").read_text()
+
+
+def test_int8_smoothquant_run_and_resume(root, run_dir):
+    """INT8 W8A8 rollouts with SmoothQuant through the CLI: the engine starts from the INT8 copy written into
+    the run directory, the factors are calibrated once and saved there, every push (the first included)
+    carries them, the split models them, and a resumed run reuses them instead of calibrating again."""
+    from portable_rl.rl.sync import SMOOTHQUANT_FILE
+
+    run = root / "int8"
+    args = ["portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.RUN_DIR={run}",
+            f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION='int8_per_channel'",
+            "--gin.train.smoothquant_alpha=0.5", "--gin.train.eval_every=100", "--gin.train.checkpoint_every=1",
+            "--gin.train.progress=False"]
+    _run(*args, "--gin.TRAIN_STEPS=1")
+    factors = run / SMOOTHQUANT_FILE
+    assert factors.exists() and len(list(run.glob("int8_per_channel_*"))) == 1
+    stamp = factors.stat().st_mtime_ns
+    _run(*args, "--gin.TRAIN_STEPS=2")  # resumes at step 1
+    assert factors.stat().st_mtime_ns == stamp  # read, not calibrated again
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["probe/kl"] < 0.05 and "mismatch/quantization" in r and "mismatch/kernels" in r
+        assert r["tis/valid_tokens"] > 0
