@@ -128,7 +128,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
           checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
           chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
           master_dtype: Optional[str] = "float32",
-          compute_dtype: str = "bfloat16", sync_bucket_mb: Optional[int] = None, async_rollouts: bool = False,
+          compute_dtype: str = "bfloat16", async_rollouts: bool = False,
           mesh=None, attention_impl: str = "auto", pack_sequences: bool = True, share_prompts: bool = False,
           max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
           remat: str = "none", progress: bool = True, memory_plan=None,
@@ -190,7 +190,7 @@ def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Ca
                 probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
                 greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
                                       stop_token_ids=(codec.eos_id,)),
-                bucket_mb=sync_bucket_mb, async_rollouts=async_rollouts, procs=procs,
+                async_rollouts=async_rollouts, procs=procs,
                 mismatch_split=mismatch_split)
         else:  # receives the driver's batches and joins every collective
             side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)

@@ -7,7 +7,7 @@ A tiny random policy trained briefly on a task's (prompt, answer) pairs; see `rl
 
 from __future__ import annotations
 
-from portable_rl.rl.warmstart import WARMSTART_STREAM, _shown_answer, warmstart  # noqa: F401 (re-exported)
+from portable_rl.rl.warmstart import warmstart  # noqa: F401  (registered with gin when this module runs)
 
 
 def main():

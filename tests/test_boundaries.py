@@ -65,34 +65,13 @@ def test_library_code_is_gin_free():
 
 
 def test_engine_side_quantizer_does_not_pull_in_jax():
-    """SGLang's blockwise-FP8 mode imports engines.quantize inside the engine process: no JAX there; nor
-    through the deprecated names convert.quantize / convert.buckets, which are the same modules."""
+    """SGLang's blockwise-FP8 mode imports engines.quantize inside the engine process: no JAX there."""
     import subprocess
     import sys
 
-    code = ("import sys, warnings; warnings.simplefilter('ignore', FutureWarning); "
-            "import portable_rl.engines.quantize, portable_rl.engines.buckets, portable_rl.engines; "
-            "import portable_rl.convert.quantize as q, portable_rl.convert.buckets as b; "
-            "assert q is portable_rl.engines.quantize and b is portable_rl.engines.buckets; "
+    code = ("import sys; import portable_rl.engines.quantize, portable_rl.engines.buckets, portable_rl.engines; "
             "bad = [m for m in ('jax', 'flax', 'optax') if m in sys.modules]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_engine_only_helpers_live_on_the_engine_side():
-    """The torch-only quantizers and the bucketing helpers moved from convert/ to engines/ (issue 15):
-    convert/'s old modules are one-release aliases that warn on import and hold no code of their own."""
-    import subprocess
-    import sys
-
-    moved = (("convert.quantize", "engines.quantize"), ("convert.buckets", "engines.buckets"))
-    code = "import warnings\n"
-    for old, new in moved:
-        assert "def " not in (PKG / (old.replace(".", "/") + ".py")).read_text()
-        code += ("with warnings.catch_warnings(record=True) as w:\n"
-                 "    warnings.simplefilter('always')\n"
-                 f"    import portable_rl.{old}\n"
-                 f"assert any('moved to portable_rl.{new}' in str(x.message) for x in w), [str(x.message) for x in w]\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -16,7 +16,8 @@ from safetensors.torch import save_file as torch_save_file
 
 from portable_rl.convert import hf as hf_lib
 from portable_rl.convert import copy_tokenizer_files, load_hf_model, param_mappings, save_hf_model
-from portable_rl.convert.to_torch import bucketed, iter_hf_tensors, jax_to_torch
+from portable_rl.convert.to_torch import iter_hf_tensors, jax_to_torch
+from portable_rl.engines.buckets import bucketed
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.testing import make_tiny_checkpoint
 

@@ -47,19 +47,13 @@ def test_push_contract_is_one_flat_iterator_of_pairs():
             list(named_tensor_pairs(bad))
 
 
-def test_bucket_pushes_and_old_names_still_work_one_release_with_a_warning(monkeypatch):
-    a, b, c = (("x", torch.zeros(1)), ("y", torch.ones(2)), ("z", torch.ones(3)))
-    monkeypatch.setattr(base, "_WARNED", set())
-    with pytest.warns(FutureWarning, match="flat iterable") as caught:
-        assert [n for n, _ in named_tensor_pairs(iter([[a, b], [c]]))] == ["x", "y", "z"]
-        assert [n for n, _ in named_tensor_pairs([[a], [b]])] == ["x", "y"]  # warned once, not per bucket
-    assert len(caught) == 1 and "\n" not in str(caught[0].message)
-    with pytest.warns(FutureWarning, match="flatten_named_tensors is deprecated"):
-        assert [n for n, _ in base.flatten_named_tensors([a, b])] == ["x", "y"]
-    with pytest.warns(FutureWarning, match="NamedTensors is deprecated"):
-        assert base.NamedTensors is not None
-    with pytest.raises(AttributeError):
-        base.NoSuchName
+def test_a_bucket_is_not_a_push():
+    """One flat iterable of pairs: a list of pairs (the old bucketed push) is refused in one line."""
+    a, b = ("x", torch.zeros(1)), ("y", torch.ones(2))
+    with pytest.raises(TypeError, match="got an item of type list; e.g. engine.update_weights") as err:
+        list(named_tensor_pairs([[a, b]]))
+    assert "\n" not in str(err.value)
+    assert [n for n, _ in named_tensor_pairs(iter([a, b]))] == ["x", "y"]
 
 
 def test_check_prompts():

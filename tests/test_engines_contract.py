@@ -23,7 +23,7 @@ adapter takes a one-shot generator, buckets it for its own transport, and the we
 together: the strict fake kills the "process" on a partial fused update under flash_rl.
 
 3. The learner side: `rl.sync.push_weights` hands the engine one lazy generator of every HF tensor (no
-buckets); its deprecated `bucket_mb` warns and changes nothing.
+buckets).
 """
 
 import os
@@ -174,8 +174,8 @@ def test_adapter_takes_one_flat_one_shot_push(name, build, checkpoint, expected,
         engine.close()
 
 
-def test_push_weights_hands_the_engine_one_flat_lazy_iterator(qwen2, monkeypatch):
-    """The learner side of the contract: rl.sync.push_weights never buckets; `bucket_mb` warns, is ignored."""
+def test_push_weights_hands_the_engine_one_flat_lazy_iterator(qwen2):
+    """The learner side of the contract: rl.sync.push_weights never buckets."""
     import types
 
     from portable_rl.convert.hf import load_hf_model
@@ -195,7 +195,3 @@ def test_push_weights_hands_the_engine_one_flat_lazy_iterator(qwen2, monkeypatch
     assert engine.lazy and all(isinstance(n, str) and hasattr(t, "shape") for n, t in engine.items)
     shapes = read_checkpoint_shapes(qwen2)
     assert {n: tuple(t.shape) for n, t in engine.items} == shapes  # every HF tensor, once, in HF shape
-    monkeypatch.setattr(sync, "_BUCKET_MB_WARNED", False)
-    with pytest.warns(FutureWarning, match="bucket_mb=64 .* is ignored"):
-        sync.push_weights(engine, model, config, bucket_mb=64)
-    assert engine.lazy and len(engine.items) == len(shapes)

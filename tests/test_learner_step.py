@@ -143,14 +143,6 @@ def test_bypass_with_an_active_correction_is_a_one_line_config_error():
         make_learner("bypass", tis.RolloutCorrectionConfig(mode="none", token_mask_low=0.5))
 
 
-def test_correct_is_a_deprecated_alias_of_prepare(batch, monkeypatch):
-    learner = make_learner("bypass")
-    monkeypatch.setattr(learner_lib, "_CORRECT_WARNED", False)
-    with pytest.warns(FutureWarning, match="Learner.prepare"):
-        old = learner.correct(batch)
-    np.testing.assert_array_equal(old.old_logprobs, learner.prepare(batch).old_logprobs)
-
-
 @pytest.mark.parametrize("mini_batch_size,ppo_epochs,max_tokens", [(3, 1, None), (3, 1, 48), (1, 2, None)],
                          ids=["one-mini-batch", "micro-batches", "three-mini-batches-two-epochs"])
 def test_on_policy_first_mini_batch_skips_its_forward_and_equals_recompute(batch, mini_batch_size, ppo_epochs,

@@ -243,4 +243,4 @@ def test_train_keyword_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="mismatch_split"):
         EngineSide(engine=None, writer=None, codec=None, task=None, reward_fn=None, cfg=None, seed=0, held_out=[],
-                   greedy=None, probe_ids=[], bucket_mb=None, async_rollouts=False, mismatch_split="yes")
+                   greedy=None, probe_ids=[], async_rollouts=False, mismatch_split="yes")

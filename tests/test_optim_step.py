@@ -100,7 +100,7 @@ def test_remat_gives_the_same_gradients():
         return nnx.grad(lambda m: sequence_logprobs(m, ids, None, 1.0)[0].sum())(model)
 
     plain = Transformer(TINY, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    remat = Transformer(TINY, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), remat=True)
+    remat = Transformer(TINY, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), remat="full")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
                  nnx.to_pure_dict(grads(plain)), nnx.to_pure_dict(grads(remat)))
 
@@ -108,7 +108,7 @@ def test_remat_gives_the_same_gradients():
         graphdef, state = nnx.split(model)
         return str(jax.make_jaxpr(jax.grad(lambda s: sequence_logprobs(nnx.merge(graphdef, s), ids)[0].sum()))(state))
 
-    # remat=True is the 'full' policy: the backward holds the layer's recomputation (jax.checkpoint).
+    # remat='full': the backward holds the layer's recomputation (jax.checkpoint).
     # That it really lowers the compiled memory is tests/test_remat.py.
     assert remat.remat == "full" and plain.remat == "none"
     assert "remat" in grad_jaxpr(remat) and "remat" not in grad_jaxpr(plain)

@@ -5,14 +5,13 @@ import shutil
 import subprocess
 import sys
 import importlib
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from portable_rl.engines import EngineAdapter, SamplingConfig, available_engines, create_engine, register
-from portable_rl.engines import base, registry
+from portable_rl.engines import registry
 
 FIXTURE = Path(__file__).parent / "fixtures" / "oot_engine"
 
@@ -72,22 +71,23 @@ def test_unknown_engine_lists_known_ones():
     assert "portable_rl.engines" in message  # tells how to register one
 
 
-def test_adapter_without_quantization_gets_none_and_a_warning(clean_registry):
-    """`quantization` joined the contract after out-of-tree adapters existed: they keep working for a release."""
-    class Legacy(_Echo):
-        pass
+def test_adapter_must_report_quantization(clean_registry):
+    """`quantization` is part of the contract (engines/base.py): an adapter without it is refused, closed."""
+    closed = []
 
-    del _Echo.quantization  # the class as it was written before the contract named `quantization`
+    class Unreported(_Echo):
+        def close(self):
+            closed.append(True)
+
+    del _Echo.quantization
     try:
-        register("legacy_test")(Legacy)
-        with pytest.warns(FutureWarning, match="does not report `quantization`"):
-            engine = create_engine("legacy_test")
-        assert engine.quantization is None
+        register("unreported_test")(Unreported)
+        with pytest.raises(TypeError, match="does not report `quantization`: set it in the adapter"):
+            create_engine("unreported_test")
+        assert closed == [True]
     finally:
         _Echo.quantization = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an adapter that reports it gets no warning
-        assert create_engine("legacy_test").quantization is None  # inherited from _Echo again
+    assert create_engine("unreported_test").quantization is None  # inherited from _Echo again
 
 
 def test_factory_must_build_an_adapter(clean_registry):
@@ -113,7 +113,7 @@ def installed_oot_package(tmp_path, clean_registry):
     importlib.invalidate_caches()
 
 
-def test_out_of_tree_engine_through_entry_point(installed_oot_package, monkeypatch):
+def test_out_of_tree_engine_through_entry_point(installed_oot_package):
     assert "toy_bigram" in available_engines()
     sampling = SamplingConfig(temperature=0.5, max_tokens=6, n=2, seed=11)
     with create_engine("toy_bigram", vocab_size=5, seed=3) as engine:
@@ -129,11 +129,7 @@ def test_out_of_tree_engine_through_entry_point(installed_oot_package, monkeypat
         # Pushed weights take effect: a table that makes token 3 certain after anything.
         new_table = torch.full((5, 5), -30.0)
         new_table[:, 3] = 30.0
-        # An adapter written against the old contract (it calls flatten_named_tensors, deprecated) still
-        # works for one release, with a one-time warning.
-        monkeypatch.setattr(base, "_WARNED", set())
-        with pytest.warns(FutureWarning, match="flatten_named_tensors is deprecated"):
-            engine.update_weights(iter([("table", new_table)]))  # the flat push
+        engine.update_weights(iter([("table", new_table)]))  # the flat push
         after = engine.generate([[1, 2]], sampling)
         assert all(r.response_token_ids == [3] * 6 for r in after)
         assert all(math.isclose(lp, 0.0, abs_tol=1e-9) for r in after for lp in r.response_logprobs)

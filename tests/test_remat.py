@@ -95,7 +95,7 @@ def test_knobs_from_memory_config_and_bad_knobs_are_one_clear_error():
     model = Transformer(TINY, **MemoryConfig(attention_impl="auto", remat="dots_saveable").model_kwargs())
     assert model.remat == "dots_saveable" and model.attention_impl == resolve_attention_impl("auto") != "auto"
     assert all(layer.attn.attention_impl == model.attention_impl for layer in model.layers)
-    assert Transformer(TINY, remat=False).remat == "none" and Transformer(TINY, remat=True).remat == "full"
+    assert Transformer(TINY, remat="none").remat == "none" and Transformer(TINY, remat="full").remat == "full"
     with pytest.raises(ValueError, match=r"remat='everything'; use one of"):
         Transformer(TINY, remat="everything")
     with pytest.raises(ValueError, match=r"attention_impl='flash'"):

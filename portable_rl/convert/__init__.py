@@ -2,8 +2,7 @@
 
 The only package that knows both JAX and torch: the JAX → HF bridge. Imports are lazy (PEP 562): a
 process that only reads checkpoints does not pull in torch. The torch-only quantizers and the bucketing
-helpers, which only engines use, live in `engines.quantize` / `engines.buckets` (`convert.quantize` and
-`convert.buckets` are deprecated aliases of them for one release).
+helpers, which only engines use, live in `engines.quantize` / `engines.buckets`.
 """
 
 import importlib
@@ -14,7 +13,6 @@ _EXPORTS = {
     "save_hf_model": "portable_rl.convert.hf",
     "param_mappings": "portable_rl.convert.mapping",
     "iter_hf_tensors": "portable_rl.convert.to_torch",
-    "bucketed": "portable_rl.engines.buckets",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,8 +8,7 @@ bf16 learner params the whole conversion moves no bytes (docs/benchmarks.md, "We
 The values are exactly what `convert.hf.save_hf_model` writes for the same dtype.
 
 Memory: `iter_hf_tensors` materialises one tensor at a time. The push is that flat iterator
-(engines/base.py, "Push"): each engine buckets it for its own transport (`engines.buckets`; `bucketed` is
-re-exported here for older callers).
+(engines/base.py, "Push"): each engine buckets it for its own transport (`engines.buckets`).
 """
 
 from __future__ import annotations
@@ -21,13 +20,6 @@ import torch
 from portable_rl.convert.hf import export_arrays
 from portable_rl.learner_jax.config import ModelConfig
 
-
-def __getattr__(name):  # `to_torch.bucketed`, re-exported lazily: engines bucket pushes themselves now
-    if name == "bucketed":
-        from portable_rl.engines.buckets import bucketed
-
-        return bucketed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def iter_hf_tensors(model, config: ModelConfig, *, dtype: str = "bfloat16", quantization: str | None = None,

@@ -44,8 +44,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import warnings
-from typing import Iterable, Iterator, Sequence, Tuple, Union
+from typing import Iterable, Iterator, Sequence, Tuple
 
 from portable_rl.errors import ConfigError
 
@@ -128,52 +127,15 @@ class Rollout:
 
 NamedTensor = Tuple[str, "torch.Tensor"]  # noqa: F821  (torch is only needed by concrete adapters)
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, FutureWarning, stacklevel=3)  # shown by default, unlike DeprecationWarning
-
-
-def _is_pair(item) -> bool:
-    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-
-
 def named_tensor_pairs(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
-    """The push contract, checked lazily: yields the `(hf_name, tensor)` pairs of `update_weights`' argument.
-
-    A push is ONE flat iterable of pairs (possibly a one-shot generator); each adapter buckets for its own
-    transport. An item that is a list of pairs (a bucket: the old push shape) is still flattened, with a
-    one-time FutureWarning, for one release; anything else is a TypeError.
-    """
+    """The push contract, checked lazily: yields the `(hf_name, tensor)` pairs of `update_weights`' argument
+    (ONE flat iterable, possibly a one-shot generator; each adapter buckets for its own transport). Anything
+    else, a list of pairs (a bucket) included, is a TypeError naming the fix."""
     for item in named_tensors:
-        if _is_pair(item):
-            yield item
-            continue
-        if isinstance(item, (list, tuple)) and item and all(_is_pair(p) for p in item):
-            _warn_once("bucket", "update_weights received a bucket (a list of pairs): pushes are one flat "
-                       "iterable of (hf_name, tensor) pairs now, and buckets stop working in the next release")
-            yield from item
-            continue
-        raise TypeError(f"update_weights takes a flat iterable of (hf_name, tensor) pairs, got an item of type "
-                        f"{type(item).__name__}; e.g. engine.update_weights(convert.to_torch.iter_hf_tensors(...))")
-
-
-def flatten_named_tensors(named_tensors) -> Iterator[NamedTensor]:
-    """Deprecated alias of `named_tensor_pairs` (kept one release for out-of-tree adapters)."""
-    _warn_once("flatten", "portable_rl.engines.base.flatten_named_tensors is deprecated: update_weights receives "
-               "one flat iterable of (hf_name, tensor) pairs; iterate it directly or use named_tensor_pairs")
-    return named_tensor_pairs(named_tensors)
-
-
-def __getattr__(name):  # PEP 562: the deprecated union type, for out-of-tree adapters' annotations
-    if name == "NamedTensors":
-        _warn_once("NamedTensors", "portable_rl.engines.base.NamedTensors is deprecated: a push is "
-                   "Iterable[NamedTensor] (one flat iterable of (hf_name, tensor) pairs)")
-        return Union[Iterable[NamedTensor], Iterable[Sequence[NamedTensor]]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"update_weights takes a flat iterable of (hf_name, tensor) pairs, got an item of type "
+                            f"{type(item).__name__}; e.g. engine.update_weights(convert.to_torch.iter_hf_tensors(...))")
+        yield item
 
 
 def check_prompts(prompt_token_ids: Sequence[Sequence[int]]) -> list[list[int]]:

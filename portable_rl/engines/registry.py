@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import warnings
 from typing import Callable
 
 from portable_rl.engines.base import EngineAdapter
@@ -99,9 +98,8 @@ def create_engine(name: str, **kwargs) -> EngineAdapter:
     engine = get_engine_factory(name)(**kwargs)
     if not isinstance(engine, EngineAdapter):
         raise TypeError(f"engine {name!r} built a {type(engine).__name__}, not an EngineAdapter")
-    if not hasattr(engine, "quantization"):  # an adapter written before `quantization` joined the contract
-        warnings.warn(f"engine {name!r} ({type(engine).__name__}) does not report `quantization`; treating it as "
-                      "unquantized (None) for this release: set `quantization` in the adapter (engines/base.py)",
-                      FutureWarning, stacklevel=2)
-        engine.quantization = None
+    if not hasattr(engine, "quantization"):
+        engine.close()
+        raise TypeError(f"engine {name!r} ({type(engine).__name__}) does not report `quantization`: set it in the "
+                        "adapter, None for an engine serving the pushed weights as they are (engines/base.py)")
     return engine

@@ -182,13 +182,9 @@ def resolve_attention_impl(impl: str) -> str:
 
 
 def resolve_remat(remat) -> str:
-    """A name from `memory.REMAT_POLICIES`; the old booleans mean True -> 'full', False/None -> 'none'."""
-    if remat is True:
-        return "full"
-    if remat is False or remat is None:
-        return "none"
+    """A name from `memory.REMAT_POLICIES` ('none', 'full' or a `jax.checkpoint_policies` name)."""
     if remat not in REMAT_POLICIES:
-        raise ConfigError(f"remat={remat!r}; use one of {REMAT_POLICIES} (or True / False)")
+        raise ConfigError(f"remat={remat!r}; use one of {REMAT_POLICIES}")
     return remat
 
 
@@ -264,8 +260,7 @@ class Transformer(nnx.Module):
                       'full': each layer keeps only its input [B, T, D] f32 and recomputes the rest in
                       the backward (about one more forward of compute); a `jax.checkpoint_policies`
                       name ('dots_saveable', 'dots_with_no_batch_dims_saveable', ...) keeps what that
-                      policy saves (matmul outputs) and recomputes the rest. True / False are
-                      'full' / 'none' (older callers).
+                      policy saves (matmul outputs) and recomputes the rest.
     """
 
     def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,

@@ -64,7 +64,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +92,6 @@ def _view(batch: dict) -> dict:
 # policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
 # except these, combined as a max
 _MAX_METRICS = ("ratio_max",)
-_CORRECT_WARNED = False
 
 
 def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
@@ -374,15 +372,6 @@ class Learner:
                              on_policy=on_policy, layouts=layouts if on_policy is not None else None,
                              rollout_logprobs=batch["rollout_logprobs"] if on_policy is not None else None,
                              response_mask=batch["response_mask"] if on_policy is not None else None)
-
-    def correct(self, batch: dict) -> PreparedBatch:
-        """Deprecated name of `prepare` (kept one release)."""
-        global _CORRECT_WARNED
-        if not _CORRECT_WARNED:
-            _CORRECT_WARNED = True
-            warnings.warn("Learner.correct(batch) is now Learner.prepare(batch) (or Learner.step(batch) for "
-                          "prepare + update); the old name goes in the next release", FutureWarning, stacklevel=2)
-        return self.prepare(batch)
 
     # ------------------------------------------------------------------------------ update
     def step(self, batch: dict) -> dict:

@@ -47,14 +47,14 @@ class EngineSide:
     """Owns the engine, the task draws, evaluation and the run directory's logs."""
 
     def __init__(self, *, engine, writer, codec, task, reward_fn, cfg, seed: int, held_out, greedy, probe_ids,
-                 bucket_mb: int, async_rollouts: bool, procs: Processes = Processes(), mismatch_split: bool = True):
+                 async_rollouts: bool, procs: Processes = Processes(), mismatch_split: bool = True):
         """`mismatch_split`: split the probe's KL by source (rl/mismatch_split.py); staleness when async."""
         if not isinstance(mismatch_split, bool):
             raise ConfigError(f"train.mismatch_split={mismatch_split!r}: set True or False (the mismatch/* "
                               "split of the post-sync probe)")
         self.engine, self.writer, self.codec, self.task, self.reward_fn = engine, writer, codec, task, reward_fn
         self.cfg, self.seed, self.held_out, self.greedy, self.probe_ids = cfg, seed, held_out, greedy, probe_ids
-        self.bucket_mb, self.procs = bucket_mb, procs
+        self.procs = procs
         self.split = MismatchSplit(staleness=async_rollouts) if mismatch_split else None
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
         self.smoothing = None  # SmoothQuant factors of an INT8 engine's pushes (rl.sync.smoothquant_for_run)
@@ -85,7 +85,7 @@ class EngineSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")  # others wait here, not in a gather (async: generation runs on)
-        push_weights(self.engine, model, model_config, self.bucket_mb, smoothing=self.smoothing)
+        push_weights(self.engine, model, model_config, smoothing=self.smoothing)
 
     def probe(self, learner) -> dict:
         return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 
 from portable_rl.convert.hf import LEARNER_QUANTIZED, export_arrays
 from portable_rl.convert.to_torch import iter_hf_tensors
@@ -29,22 +28,10 @@ from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, respons
 PROBE_SEED = 1234
 
 
-_BUCKET_MB_WARNED = False
-
-
-def push_weights(engine, model, model_config, bucket_mb: int | None = None, *, smoothing=None) -> None:
-    """engine.update_weights(the model's bf16 (hf_name, tensor) pairs, one flat lazy iterator).
-
-    `bucket_mb` is deprecated and ignored (kept one release): adapters bucket for their own transport
-    (`SGLangEngine(bucket_bytes=...)`, `RayEngineFleet(bucket_bytes=...)`), and the learner-side buckets it
-    sized were flattened again by every in-tree adapter. `smoothing` (`convert.smoothing`): SmoothQuant
-    factors an INT8 engine's push is rescaled with."""
-    global _BUCKET_MB_WARNED
-    if bucket_mb is not None and not _BUCKET_MB_WARNED:
-        _BUCKET_MB_WARNED = True
-        warnings.warn(f"bucket_mb={bucket_mb} (train.sync_bucket_mb) is ignored: engines bucket the flat push "
-                      "for their own transport; set the adapter's bucket_bytes instead", FutureWarning,
-                      stacklevel=2)
+def push_weights(engine, model, model_config, *, smoothing=None) -> None:
+    """engine.update_weights(the model's (hf_name, tensor) pairs, one flat lazy iterator): bf16, or int8 +
+    scales for an INT8 engine (`push_quantization`), rescaled first by `smoothing` (`convert.smoothing`,
+    SmoothQuant factors) when given. Adapters bucket the pairs for their own transport."""
     engine.update_weights(iter_hf_tensors(model, model_config, dtype="bfloat16",
                                           quantization=push_quantization(engine.quantization), smoothing=smoothing))
 
