@@ -33,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from portable_rl.convert.hf import get_param
+from portable_rl.convert.mapping import param_mappings
+
 DEFAULT_ALPHA = 0.5
 _CLAMP = (1e-5, 1e5)
 
@@ -101,12 +104,11 @@ def _rescale(value, factors, power):
 def input_absmax(model, prompts) -> dict[str, np.ndarray]:
     """{HF name of each decoder projection: max |input| per input channel [in]} over every position of
     `prompts` (lists of token ids, each run alone: no padding enters the maxima). Eager, no remat."""
-    from portable_rl.convert.mapping import param_mappings
     from portable_rl.engines.quantize import is_quantized_projection  # the projections engines quantize
 
     names = {m.nnx_path[:-1]: m.hf_name.removesuffix(".weight") for m in param_mappings(model.config)
              if is_quantized_projection(m.hf_name)}
-    modules = {path: _module_at(model, path) for path in names}
+    modules = {path: get_param(model, path) for path in names}  # the Linear modules
     remat, model.remat = model.remat, "none"  # a remat layer runs on a split copy, which would drop the sown maxima
     maxima: dict[str, np.ndarray] = {}
     try:
@@ -125,17 +127,8 @@ def input_absmax(model, prompts) -> dict[str, np.ndarray]:
     return maxima
 
 
-def _module_at(model, path):
-    node = model
-    for key in path:
-        node = node[key] if isinstance(key, int) else getattr(node, key)
-    return node
-
-
 def smoothing_factors(model, maxima: dict[str, np.ndarray], alpha: float = DEFAULT_ALPHA) -> Smoothing:
     """The `Smoothing` of the module doc from `input_absmax`'s maxima and the model's current weights."""
-    from portable_rl.convert.hf import get_param
-    from portable_rl.convert.mapping import param_mappings
 
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"SmoothQuant alpha={alpha}: use a value in [0, 1] (0.5 is SmoothQuant's default)")
