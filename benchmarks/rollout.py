@@ -1,13 +1,15 @@
-"""Rollout throughput, vLLM bf16 vs fp8_per_channel; and the step-time breakdown of a finished training run.
+"""Rollout throughput of vLLM engine arms (fp32, bf16, fp8_per_channel, INT8); the step-time breakdown of a run.
 
-Throughput. Two real in-process vLLM engines (`create_engine("vllm", ...)`) on the SAME random Qwen2
-checkpoint, one bf16 and one `quantization="fp8_per_channel"` (weights quantized online per output channel,
-activations per token), generate for the SAME prompts with the SAME seeded sampling (temperature 1, top_p 1,
-top_k -1). The engines alternate (bf16, fp8, bf16, fp8, ...) so background load hits both alike:
+Throughput. Real in-process vLLM engines (`create_engine("vllm", ...)`, one per `--arms` entry: `ARMS`) on
+the SAME checkpoint generate for the SAME prompts with the SAME seeded sampling (temperature 1, top_p 1,
+top_k -1). The engines alternate (fp32, bf16, fp8, int8, fp32, ...) so background load hits all alike:
 
     tokens/s = generated response tokens / wall time of one `generate` call      (median over --reps;
                the prefix cache is reset before each call, so every call prefills its prompts)
-    ratio    = fp8 tokens/s / bf16 tokens/s
+    ratio    = an arm's tokens/s / the best unquantized arm's (fp32 or bf16) in the same run
+
+The JSON also records the CPU's bf16 / int8 dot-product flags and each engine's dtype and GEMM kernel
+(`served_by`, e.g. `CPUInt8ScaledMMLinearKernel._apply_weights_onednn`).
 
 On CPU the FP8 GEMM is engines/vllm_cpu_fp8.py's dense GEMM of the exactly upcast fp8 operands (there is
 no FP8 matrix unit), so this ratio says little about FP8 tensor-core GEMMs on a GPU (there, expect
@@ -30,10 +32,10 @@ rl/mismatch_split.py).
     python benchmarks/rollout.py [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
                                  [--prompts 16 --max-tokens 32 --reps 2] [--tiny] [--json]
     python benchmarks/rollout.py --model checkpoints/smollm2-135m-instruct --prompts 32 --max-tokens 64 --fp8-baseline
+    python benchmarks/rollout.py --layers 4 --hidden 4096 --intermediate 11008 --arms bf16 int8_per_channel
     python benchmarks/rollout.py --run-dir runs/dapo_fp8
 
-Runtime on the 2-core box is dominated by the fp8 engine (~4 tok/s at 16 layers): about 4 min
-(estimated) with the defaults (8 layers, 125M params), ~9 min with --layers 16 (213M).
+Measured numbers, with their CPUs: docs/benchmarks.md ("INT8 rollouts", "Rollout throughput").
 """
 
 from __future__ import annotations
@@ -184,11 +186,8 @@ INT8_DOT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 def _served_by(engine) -> str:
     """The engine's dtype and the kernel class of its first quantized linear layer (or "unquantized")."""
-    from portable_rl.engines.vllm_adapter import VLLMEngine
-
     dtype = str(engine._llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    kernels = engine._llm.collective_rpc(_first_linear_kernel)
-    return f"{dtype}, {kernels[0]}" if isinstance(engine, VLLMEngine) else dtype
+    return f"{dtype}, {engine._llm.collective_rpc(_first_linear_kernel)[0]}"
 
 
 def _first_linear_kernel(worker) -> str:
@@ -276,7 +275,7 @@ def throughput(args) -> dict:
     unquantized = [a for a in engines if a in UNQUANTIZED]
     best = max(unquantized, key=tps.get) if unquantized else None
     out = {"model": name, "params": n_params, "prompts": args.prompts, "max_tokens": args.max_tokens,
-           "reps": args.reps, "cpu_flags": sorted(cpu_flags() & INT8_DOT_FLAGS | cpu_flags() & set(FAST_BF16_CPU_FLAGS)),
+           "reps": args.reps, "cpu_flags": sorted(cpu_flags() & (INT8_DOT_FLAGS | set(FAST_BF16_CPU_FLAGS))),
            "generated_tokens": tokens, "median_s": medians, "tokens_per_s": tps, "served_by": served_by,
            "best_unquantized": best,
            "ratio_over_best_unquantized": {k: tps[k] / tps[best] for k in engines} if best else {}}

@@ -91,6 +91,18 @@ def test_rollout_run_dir_breakdown(tmp_path):
 
 
 @pytest.mark.slow
+def test_rollout_throughput_arms_name_their_kernels(tmp_path):
+    """The speed benchmark's INT8 arm runs and says which kernel served (tiny model: a smoke test, no speed)."""
+    out = json.loads(run([sys.executable, "benchmarks/rollout.py", "--tiny", "--prompts", "2", "--max-tokens", "4",
+                          "--reps", "1", "--arms", "bf16", "int8_per_channel", "--workdir", str(tmp_path), "--json"],
+                         300).splitlines()[-1])
+    assert out["best_unquantized"] == "bf16" and out["ratio_over_best_unquantized"]["bf16"] == 1.0
+    assert out["served_by"]["bf16"].endswith("unquantized")
+    assert "CPUInt8ScaledMMLinearKernel._apply_weights_" in out["served_by"]["int8_per_channel"]
+    assert all(n > 0 for n in out["generated_tokens"].values())
+
+
+@pytest.mark.slow
 def test_learner_memory_tiny_reports_old_and_new_peak():
     out = run([sys.executable, "benchmarks/learner_memory.py", "--model", "tiny", "--tokens_per_device", "256",
                "--fsdp", "2", "--path", "both", "--chunk_tokens", "64", "--micro_tokens", "128", "--json"],
