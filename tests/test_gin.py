@@ -20,7 +20,7 @@ from portable_rl.train import train
 REPO = Path(__file__).resolve().parent.parent
 GIN = REPO / "gin"
 TRAIN_FILES = ["dapo_fp8.gin", "recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin",
-               "recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin"]
+               "recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "recipes/llama3_8b_dapo_math_vllm_fp8.gin"]
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     bound["optimizer_factory"]()  # builds the optax transformation
     assert callable(bound["engine_factory"])
     from portable_rl.engines import registry
-    if "recipes/qwen" in name:  # the seeds' settings
+    if "dapo_math" in name:  # the seeds' settings
         assert (cfg.prompt_batch_size, cfg.n_samples, cfg.clip_eps_high) == (32, 16, 0.28)
         assert (corr.mode, corr.clip) == ("token", 2.0)
     if "sequence_tis" in name:
@@ -93,7 +93,7 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     assert gin.query_parameter(f"{scope}.name") == engine_name
     kwargs = gin_utils.query_value(f"{scope}.engine_init_kwargs")
     if engine_name == "vllm":
-        expected = ("fp8" if "recipes/qwen" in name else None if "grpo" in name else
+        expected = ("fp8" if "dapo_math" in name else None if "grpo" in name else
                     "int8_per_channel" if "int8" in name else "fp8_per_channel")
         assert kwargs["quantization"] == expected
         if "int8" in name:  # the INT8 start checkpoint is written next to the run
