@@ -182,3 +182,21 @@ def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
     assert ev["task"].eval_examples() == recipe["task"].eval_examples() and len(ev["task"].eval_examples()) == 128
     assert ev["chat_template"] is recipe["chat_template"] is True
     assert eval_engine == recipe_engine and eval_tokens == recipe_tokens == 160
+
+
+def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_files, tmp_path):
+    """Every recipe docs/your-model.md names parses and binds train() (no engine starts), as its command runs it."""
+    import re
+
+    text = (REPO / "docs" / "your-model.md").read_text()
+    recipes = sorted(set(re.findall(r"gin/recipes/[\w.]+\.gin", text)))
+    assert "gin/recipes/llama3_8b_dapo_math_vllm_fp8.gin" in recipes
+    for recipe in recipes:
+        for extra, macros in (([], []), (["gin/colocate.gin"], ["LEARNER_PEAK_GB = 68"])):  # as the page shows
+            gin.clear_config()
+            gin_utils.register_configurable(train, name="train")
+            gin_utils.parse_gin([recipe, *extra], [*macros, f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
+                                                  f"DATA_PATH = '{data_files}/train.jsonl'",
+                                                  f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])
+            assert callable(_resolve(gin.query_parameter("train.engine_factory")))
+            assert gin_utils.query_value("train.model_path") == f"{data_files}/model"
