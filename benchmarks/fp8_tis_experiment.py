@@ -1,4 +1,4 @@
-"""What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/results.md).
+"""What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/experiments/quantized_rollouts.md).
 
     python benchmarks/fp8_tis_experiment.py --probe_mismatch                      # KL of each precision at the start
     python benchmarks/fp8_tis_experiment.py --steps 20 --seeds 0 1 2             # run (resumable) + aggregate
@@ -704,7 +704,7 @@ def main(argv=None):
     p.add_argument("--img_dir", default="docs/img")
     p.add_argument("--plot_prefix", default=None,
                    help="plots: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch}.png (default: the setting's, "
-                        "the names docs/results.md shows)")
+                        "the names docs/experiments/quantized_rollouts.md shows)")
     p.add_argument("--aggregate_only", action="store_true")
     p.add_argument("--eval_bf16", action="store_true",
                    help="also evaluate each finished run's step---steps weights greedily with the setting's "
