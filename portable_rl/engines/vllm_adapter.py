@@ -57,8 +57,8 @@ there `sleep()` and `wake_up()` only pause and resume the scheduler.
 Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpuinfo shows bf16 dot-product
 instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
 only bf16/fp16 activations); float32 elsewhere, since without those instructions every bf16 GEMM is
-widened in software (SmolLM2-135M decode: 29 tok/s bf16 vs 112 tok/s float32 on an EPYC without AVX-512;
-the other way round, 183 vs 75 tok/s, on a Zen 4 EPYC with avx512_bf16: docs/benchmarks.md). Each
+widened in software (SmolLM2-135M decode ~4x slower in bf16 than float32 there, ~2.4x faster with
+avx512_bf16: docs/benchmarks.md). Each
 distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
 gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
 is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.
@@ -220,7 +220,7 @@ def _sampled_and_support(tokens, flat) -> tuple[list[float], list[list[int]]]:
 
 @register("vllm")
 class VLLMEngine(EngineAdapter):
-    """In-process vLLM. Defaults suit the 2-core CPU box; on GPU pass `gpu_memory_utilization` etc."""
+    """In-process vLLM. Defaults suit a small CPU machine; on GPU pass `gpu_memory_utilization` etc."""
 
     returns_sampling_support = True  # module doc, "Sampling support"
 

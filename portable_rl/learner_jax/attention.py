@@ -52,17 +52,10 @@ a T shorter than a block is one block. Memory of a training step: O(B T N H) (in
 and dQ, lse) plus one [B, K, G, block_q, block_k] score tile, against dense's O(B N T^2):
 tests/test_attention.py::test_blockwise_memory_is_linear_in_t measures the compiled temp memory at
 T = 2048 -> 4096 (blockwise x1.7, dense x4.0). Default blocks (_DEFAULT_BLOCKS): 128 on CPU (64 and
-256 were slower), 256 on GPU / TPU (fewer loop steps; not measured there). Speed on CPU, jitted
-grad of sum(attention), B=2, N=8, K=2, H=64, one segment per row, best of 5, blockwise (128) time
-over dense time (2026-12-01, AMD EPYC 2 cores, shared and loaded, so +-30 %):
-
-    T       256    512    1024
-    fp32    0.69   0.11   0.16
-    bf16    0.64   0.18   0.11
-
-so blockwise is faster than dense on CPU from T = 256 up (dense's [T, T] f32 temporaries dominate).
-Block skipping pays for packed rows: T = 2048, bf16, same shape, 8 segments of 256 per row 272 ms
-against one segment 1436 ms (24 block pairs against 136).
+256 were slower), 256 on GPU / TPU (fewer loop steps). On CPU blockwise is faster than dense from
+T = 256 up (dense's [T, T] f32 temporaries dominate), and block skipping pays for packed rows (8
+segments of 256 in a 2048-token row run 24 block pairs against one segment's 136); the measurements are
+in docs/benchmarks.md.
 
 cudnn. The installed jax's jax.nn.dot_product_attention (jax/_src/nn/functions.py,
 jax/_src/cudnn/fused_attention_stablehlo.py) expresses, with cuDNN: is_causal, per-row

@@ -4,8 +4,8 @@ Used with `pytest -n 2 --dist loadfile` (tests/conftest.py registers it). Why no
 - `--dist loadgroup` (an `xdist_group` marker per file) silently stopped grouping with pytest 9: xdist 3.8
   tags each test's node id (`item._nodeid += "@group"`), and pytest 9 reads node ids from elsewhere, so every
   test was scheduled alone (pytest-xdist issue #1386, open). A module-scoped fixture (a warm start, an
-  engine, the multi-host launches) was then built once per worker that got a test of its file: the suite of
-  2026-12-02 built the multi-host fixture (~280 s) twice.
+  engine, the multi-host launches) was then built once per worker that got a test of its file (the
+  multi-host fixture, ~280 s, twice).
 - `--dist loadfile` groups by file without touching node ids, but each file is its own unit, and files
   that start a local Ray cluster must not run at the same time on two workers.
 So: `loadfile`, with the files in `shared_units` mapped to one unit name, and units handed out in collection
