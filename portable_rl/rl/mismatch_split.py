@@ -133,7 +133,7 @@ def scoring_learner(learner, quantization: str | None = None, smoothing_factors=
 
 def quantized_learner(learner, quantization: str, smoothing_factors=None):
     """`learner` scoring as the engine serves it: its decoder projections quantized by the engine's
-    `quantization` (and activations, where emulated), after the push's SmoothQuant factors if any."""
+    `quantization`, after the push's SmoothQuant factors if any (weights only: activations are the engine's)."""
     return scoring_learner(learner, quantization, smoothing_factors)
 
 
