@@ -185,7 +185,7 @@ def load_setting(args) -> dict:
     from portable_rl import gin_utils
     from portable_rl.train import train
 
-    gin_utils.register_configurable(train, name="train")  # what `portable_rl.train`'s CLI does
+    gin_utils.register_train(train)  # what `portable_rl.train`'s CLI does
     argv = gin_utils.rewrite_gin_args(gin_bindings(args))
     gin_utils.parse_gin([RECIPE], [a[len("--gin_bindings="):] for a in argv])
     import gin

@@ -10,7 +10,11 @@ Command line (train.py / evaluate.py / warmstart.py):
 The repository's `gin/` folder (next to the `portable_rl` package) and the current directory are always
 searched, so `--gin_file=gin/dapo_fp8.gin` and `--gin_file=dapo_fp8.gin` both work from anywhere.
 Library callables are registered here with `gin.external_configurable`, under short module names
-(`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...).
+(`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...). The config objects
+(`rl.RunConfig`, `rl.GenerationConfig`, `learner.MemoryConfig`, ...) are bound field by field; an argument of
+`train` (or a part of `rl.DapoConfig`) that the gin files do not set explicitly is built from its class's
+bindings, so `rl.LossConfig.ppo_epochs = 2` takes effect on its own. A binding renamed when the config
+objects replaced the flat keywords fails with one line naming the new one (`MOVED`).
 
 Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
 unknown configurable, missing REQUIRED macro) and every `portable_rl.errors.UserError` (unknown engine /
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import inspect
 import logging
 import os
@@ -60,6 +65,21 @@ def register_configurable(fn: Callable, name: str | None = None, module: str | N
         return fn
 
 
+def with_config_defaults(cls_or_fn: Callable, defaults: dict[str, Callable]) -> Callable:
+    """`cls_or_fn` whose arguments named in `defaults`, when not passed (or None), are built by calling the
+    gin-configured callable there: the config objects' own bindings apply without a `@Config()` reference."""
+    @functools.wraps(cls_or_fn)
+    def build(**kwargs):
+        for name, make in defaults.items():
+            if kwargs.get(name) is None:
+                kwargs[name] = make()
+        return cls_or_fn(**kwargs)
+    return build
+
+
+CONFIG_OBJECTS: dict[str, Callable] = {}  # train()'s config arguments → their gin-configured classes
+
+
 def register_library() -> None:
     """Registers the gin-free library callables that gin files may reference."""
     global _REGISTERED
@@ -68,14 +88,21 @@ def register_library() -> None:
     from portable_rl import tasks
     from portable_rl.engines import registry
     from portable_rl import tis
-    from portable_rl.rl import dapo
+    from portable_rl.learner_jax.memory import MemoryConfig
+    from portable_rl.rl import config as rl_config, dapo, diagnostics
 
     for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask):
         register_configurable(cls, module="tasks")
     register_configurable(registry.create_engine, name="create_engine", module="engines")
-    register_configurable(tis.RolloutCorrectionConfig, module="tis")
     register_configurable(tis.from_preset, name="from_preset", module="tis")
-    register_configurable(dapo.DapoConfig, module="rl")
+    parts = {name: register_configurable(getattr(rl_config, cls), module="rl") for name, cls in DAPO_PARTS.items()}
+    CONFIG_OBJECTS.update(
+        run=register_configurable(rl_config.RunConfig, module="rl"),
+        algorithm=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
+        correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
+        precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
+        memory=register_configurable(MemoryConfig, module="learner"),
+        diagnostics=register_configurable(diagnostics.DiagnosticsConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
     from portable_rl.rl import warmstart  # the library function; portable_rl/warmstart.py is its entry point
 
@@ -89,6 +116,43 @@ def register_library() -> None:
 
     register_configurable(MemoryPlan)  # gin/colocate.gin
     _REGISTERED = True
+
+
+def register_train(train: Callable) -> Callable:
+    """`train` registered as gin's `train`, its config arguments built from their classes' bindings."""
+    register_library()
+    return register_configurable(with_config_defaults(train, CONFIG_OBJECTS), name="train")
+
+
+DAPO_PARTS = {"generation": "GenerationConfig", "data": "DataConfig", "shapes": "ShapeConfig", "loss": "LossConfig",
+              "safety": "SafetyConfig"}
+
+# Bindings of the flat keywords that the config objects replaced → where they live now.
+MOVED = {
+    **{f"train.{name}": f"rl.RunConfig.{name}" for name in (
+        "run_dir", "train_steps", "model_path", "seed", "chat_template", "async_rollouts", "eval_every",
+        "eval_max_tokens", "eval_size", "checkpoint_every", "keep_checkpoints")},
+    **{f"train.{name}": f"rl.PrecisionConfig.{name}" for name in (
+        "param_dtype", "master_dtype", "compute_dtype", "smoothquant_alpha")},
+    **{f"train.{name}": f"learner.MemoryConfig.{name}" for name in (
+        "attention_impl", "pack_sequences", "share_prompts", "max_tokens_per_micro_batch", "logprob_chunk_tokens",
+        "remat")},
+    "train.probe_prompts": "rl.DiagnosticsConfig.probe_prompts",
+    "train.update_survival_stride": "rl.DiagnosticsConfig.update_survival_stride (0 as off: "
+                                    "rl.DiagnosticsConfig.disabled = ['update_survival'])",
+    "train.mismatch_split": "rl.DiagnosticsConfig.disabled = ['mismatch_split'] (to turn it off)",
+    "train.progress": "nothing: the progress bar shows on a terminal only",
+}
+
+
+def moved_dapo_fields() -> dict[str, str]:
+    """`rl.DapoConfig.<field>` → `rl.<Part>.<field>` for every field of DapoConfig's parts."""
+    import dataclasses
+
+    from portable_rl.rl import config as rl_config
+
+    return {f"rl.DapoConfig.{f.name}": f"rl.{cls}.{f.name}" for cls in DAPO_PARTS.values()
+            for f in dataclasses.fields(getattr(rl_config, cls))}
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
@@ -208,8 +272,12 @@ def _exit_with(e: BaseException):
 
 
 def _hint(msg: str) -> str:
-    """For an unknown parameter: the close match or the valid ones; for an unknown reference: the known ones."""
+    """For a moved binding: its new name; for an unknown parameter: the close match or the valid ones; for an
+    unknown reference: the known ones."""
     bad_param = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+    moved = {**MOVED, **moved_dapo_fields()}.get(f"{bad_param.group(1)}.{bad_param.group(2)}") if bad_param else None
+    if moved:
+        return f" (it moved: set {moved})"
     if bad_param and bad_param.group(1) in _CONFIGURABLES:
         params = _parameters(_CONFIGURABLES[bad_param.group(1)])
         close = difflib.get_close_matches(bad_param.group(2), params, n=1)
@@ -256,11 +324,11 @@ def memory_budget(binding: str = "train.memory_plan"):
 
     from portable_rl.memory_plan import MemoryPlan, prepare
 
-    if isinstance(plan, MemoryPlan):  # the learner's dtypes are train's settings: one place sets them
+    if isinstance(plan, MemoryPlan):  # the learner's dtypes are PrecisionConfig's: one place sets them
         for name in ("param_dtype", "master_dtype"):
             try:
-                plan = dataclasses.replace(plan, **{name: query_value(f"train.{name}")})
-            except ValueError:  # train's default, which the plan's default matches
+                plan = dataclasses.replace(plan, **{name: query_value(f"rl.PrecisionConfig.{name}")})
+            except ValueError:  # PrecisionConfig's default, which the plan's default matches
                 pass
     return prepare(plan)
 

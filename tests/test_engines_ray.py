@@ -87,7 +87,7 @@ def test_gin_composes_a_vllm_fleet(tmp_path):
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        gin_utils.register_train(train)
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/engines/ray_vllm.gin"],
                             [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{tmp_path}/model'",
                              "NUM_ENGINES = 3", "RESOURCES_PER_ENGINE = {'num_gpus': 1}",

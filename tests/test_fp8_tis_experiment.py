@@ -33,17 +33,17 @@ def _configured(exp, arm, seed):
     from portable_rl.train import train
 
     gin.clear_config()
-    gin_utils.register_configurable(train, name="train")
+    gin_utils.register_train(train)
     cmd = exp.train_command(exp.SETTINGS["smollm2"], arm, seed, 20, Path("/tmp/run"), Path("/tmp/start"))
     gin_utils.parse_gin([c.split("=", 1)[1] for c in cmd if c.startswith("--gin_file=")],
                         [c.split("=", 1)[1] for c in cmd if c.startswith("--gin_bindings=")])
     scope = gin.query_parameter("ENGINE/macro.value").scoped_selector.split("/")[0]  # @vllm/... or @fake_quant/...
     kwargs = {k: gin_utils.query_value(f"{scope}/engines.create_engine.{k}")
               for k in ("engine_init_kwargs", "engine_kwargs", "scheme") if _bound(f"{scope}/engines.create_engine.{k}")}
-    correction = gin_utils.query_value("train.correction").scoped_configurable_fn()
+    correction = gin_utils.CONFIG_OBJECTS["correction"]()
     return scope, kwargs, correction, {k: gin_utils.query_value(k) for k in
-                                        ("train.seed", "tasks.WordProblemsTask.seed", "train.train_steps",
-                                         "train.eval_every", "train.model_path")}
+                                        ("rl.RunConfig.seed", "tasks.WordProblemsTask.seed", "rl.RunConfig.train_steps",
+                                         "rl.RunConfig.eval_every", "rl.RunConfig.model_path")}
 
 
 def _bound(name):
@@ -57,9 +57,9 @@ def _bound(name):
 def test_smollm2_arms_change_only_precision_and_correction(exp):
     got = {arm: _configured(exp, arm, seed=2) for arm in exp.SETTINGS["smollm2"].arms}
     for arm, (scope, kwargs, correction, seeds) in got.items():
-        # same problems and held-out set for every arm and seed; a seed is only train.seed
-        assert seeds == {"train.seed": 2, "tasks.WordProblemsTask.seed": 0, "train.train_steps": 20,
-                         "train.eval_every": 5, "train.model_path": "/tmp/start"}, arm
+        # same problems and held-out set for every arm and seed; a seed is only rl.RunConfig.seed
+        assert seeds == {"rl.RunConfig.seed": 2, "tasks.WordProblemsTask.seed": 0, "rl.RunConfig.train_steps": 20,
+                         "rl.RunConfig.eval_every": 5, "rl.RunConfig.model_path": "/tmp/start"}, arm
     assert got["bf16"][1]["engine_init_kwargs"]["quantization"] is None
     assert got["bf16"][1]["engine_init_kwargs"]["dtype"] == "float32"  # the same reference on every CPU
     for arm in ("fp8", "fp8_token_tis", "fp8_seq_mask"):

@@ -20,7 +20,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl import learner as learner_lib
-from portable_rl.rl.dapo import DapoConfig
+from portable_rl.testing.configs import dapo_config
 from portable_rl.rl.learner import Learner
 from test_micro_batches import CFG, TX, ragged_batch
 
@@ -32,7 +32,7 @@ def make_learner(mode="decoupled", correction=NONE, from_update=False, mini_batc
     """`from_update`: LossConfig.old_logprobs_from_update (off here unless asked: these tests count the
     recompute's forward passes)."""
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    alg = DapoConfig(prompt_batch_size=3, mini_batch_size=mini_batch_size, n_samples=4, max_response_tokens=32,
+    alg = dapo_config(prompt_batch_size=3, mini_batch_size=mini_batch_size, n_samples=4, max_response_tokens=32,
                      policy_loss_mode=mode, old_logprobs_from_update=from_update, ppo_epochs=ppo_epochs)
     return Learner(model, nnx.Optimizer(model, TX, wrt=nnx.Param), alg, correction, memory=memory)
 

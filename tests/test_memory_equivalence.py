@@ -23,7 +23,8 @@ LEAN = dict(attention_impl="blockwise" if "blockwise" in attention.IMPLS else "d
 def setup(tmp_path_factory):
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.dapo import build_batch
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.testing import make_tiny_checkpoint
@@ -31,7 +32,7 @@ def setup(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("equiv") / "model", dtype="float32")
     codec = TextCodec(path)
     # gin/dapo_fp8.gin's algorithm with 4 prompts per step, 2 per mini-batch (two optimizer updates)
-    cfg = DapoConfig(prompt_batch_size=4, mini_batch_size=2, n_samples=8, dynamic_sampling=True,
+    cfg = dapo_config(prompt_batch_size=4, mini_batch_size=2, n_samples=8, dynamic_sampling=True,
                      max_response_tokens=8, overlong_buffer=2, overlong_penalty=1.0, advantage="grpo",
                      clip_eps_low=0.2, clip_eps_high=0.28, loss_aggregation="token-mean", temperature=1.0)
     rng = np.random.default_rng(0)

@@ -124,7 +124,7 @@ def test_gin_file_binds_the_plan_and_the_cli_applies_it(qwen3_8b, monkeypatch, c
         monkeypatch.delenv(key, raising=False)  # restored after the test
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        gin_utils.register_train(train)
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{qwen3_8b}'", "LEARNER_PEAK_GB = 85.9", "DEVICE_MEMORY_GB = 141.0",
                              "LEARNER_SHARDS = 8", "MAX_MODEL_LEN = 22528"])
@@ -146,7 +146,7 @@ def test_default_config_binds_no_plan():
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        gin_utils.register_train(train)
         gin_utils.parse_gin(["gin/dapo_fp8.gin"])
         assert gin_utils.memory_budget() is None
     finally:
@@ -183,7 +183,7 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        gin_utils.register_train(train)
         gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{path}'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'",
                              "LEARNER_PEAK_GB = 68", "LEARNER_SHARDS = 8", "ENGINE_TENSOR_PARALLEL = 8",

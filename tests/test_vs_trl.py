@@ -37,13 +37,13 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert len(s["task"].eval_examples()) == 4 and s["task"].reward == "final_number"
     assert "--gin.MAX_RESPONSE_TOKENS=32" in vs_trl.gin_bindings(args)
     # ours at its best on a CPU (unquantized rollouts, fp32 math on the served bf16 params); or the recipe as is
-    assert vs_trl.ours_bindings(args) == ["--gin.QUANTIZATION=None", "--gin.train.param_dtype='bfloat16'",
-                                          "--gin.train.compute_dtype='float32'"]
+    assert vs_trl.ours_bindings(args) == ["--gin.QUANTIZATION=None", "--gin.rl.PrecisionConfig.param_dtype='bfloat16'",
+                                          "--gin.rl.PrecisionConfig.compute_dtype='float32'"]
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
-                                                   "--ours_remat", "none"])) == ["--gin.train.remat='none'"]
-    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "train.attention_impl='blockwise'"])
-    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.train.attention_impl='blockwise'"]
+                                                   "--ours_remat", "none"])) == ["--gin.learner.MemoryConfig.remat='none'"]
+    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "learner.MemoryConfig.attention_impl='blockwise'"])
+    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.learner.MemoryConfig.attention_impl='blockwise'"]
 
 
 @pytest.mark.parametrize("argv, fix", [

@@ -243,7 +243,7 @@ class Learner:
         if budget is not None and lengths.size and lengths.max() > budget:
             raise MicroBatchBudgetError(
                 f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
-                f"train.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
+                f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
                 f"{int(lengths.max())}")
         row_len = batching.packed_row_length(int(lengths.max(initial=1)), self.cfg.shapes.min_seq_bucket)
         out = []

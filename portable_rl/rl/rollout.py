@@ -86,4 +86,4 @@ def check_nonfinite_fraction(stats: dict, max_fraction: float) -> None:
         raise NonFiniteLogprobsError(
             f"the engine returned {stats['rollout/nonfinite_logprobs']} non-finite logprobs ({100 * fraction:.2f}% "
             f"of the step's response tokens) > max_nonfinite_fraction={max_fraction}: check the engine's "
-            f"dtype / quantization (try --gin.QUANTIZATION=None) or raise rl.DapoConfig.max_nonfinite_fraction")
+            f"dtype / quantization (try --gin.QUANTIZATION=None) or raise rl.SafetyConfig.max_nonfinite_fraction")
