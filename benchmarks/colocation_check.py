@@ -19,7 +19,7 @@ the plan's prediction for each, and two verdicts:
   learner_peak_within_prediction  measured learner peak − its runtime ≤ XLA's predicted peak × 1.01, where
                                   runtime = the learner process's bytes before its first step − its state
                                   (CUDA context, cuBLAS/cuDNN workspaces: outside XLA's memory_analysis;
-                                  1.49 GB on an H200, 2026-12-04, docs/benchmarks.md)
+                                  1.49 GB on an H200, docs/experiments/gpu_check.md)
   device_within_plan              the device's peak in the learner phase ≤ peak + asleep + reserve, and in
                                   the generation phase ≤ the device (what the plan promises)
 `ok`: every step ran, i.e. no

@@ -35,7 +35,7 @@ rl/mismatch_split.py).
     python benchmarks/rollout.py --layers 4 --hidden 4096 --intermediate 11008 --arms bf16 int8_per_channel
     python benchmarks/rollout.py --run-dir runs/dapo_fp8
 
-Measured numbers, with their CPUs: docs/benchmarks.md ("INT8 rollouts", "Rollout throughput").
+Measured numbers, with their CPUs: docs/experiments/cpu_rollouts.md ("INT8 rollouts", "Rollout throughput").
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ runs at its best setting on this CPU (best vs best):
   `bf16` = the model itself in bf16 (`dtype=torch.bfloat16`, `bf16=True`; AdamW updates bf16 weights, which
   round lr-5e-5 steps away: faster, not better). Measured on a Zen 5 EPYC with avx512_bf16 (fwd+bwd of
   8 x 240 tokens / generate 8 x 32): fp32 47.4 / 80.6 s, bf16 autocast 34.3 / 54.3 s, pure bf16 28.9 / 56.2 s
-  (docs/benchmarks.md). Per-device batch `B` completions,
+  (docs/experiments/vs_trl.md). Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
@@ -75,7 +75,7 @@ into the engine as during training) and TRL's saved weights (pushed the same way
 Output: one JSON line per system (`{"system": ...}`), then `{"summary": ...}` with
 `step_time_ratio_ours_over_trl` (< 1: ours is faster) on the mean of steps 2..N (step 1 includes JAX
 compilation and vLLM warm-up) and on all steps; also written to `OUT_DIR/results.jsonl`.
-Results: docs/benchmarks.md ("Ours vs TRL GRPOTrainer").
+Results: docs/experiments/vs_trl.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """benchmarks/vs_trl.py: both systems get the recipe's setting (with the script's overrides), and bad flags
 end with a one-line error. The benchmark itself (two trainings on SmolLM2) takes tens of minutes on this
-box, far over a test's budget: its numbers are in docs/benchmarks.md ("Ours vs TRL GRPOTrainer")."""
+box, far over a test's budget: its numbers are in docs/experiments/vs_trl.md."""
 
 import importlib.util
 import json

@@ -58,7 +58,7 @@ Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpui
 instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
 only bf16/fp16 activations); float32 elsewhere, since without those instructions every bf16 GEMM is
 widened in software (SmolLM2-135M decode ~4x slower in bf16 than float32 there, ~2.4x faster with
-avx512_bf16: docs/benchmarks.md). Each
+avx512_bf16: docs/experiments/cpu_rollouts.md). Each
 distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
 gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
 is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.

@@ -85,7 +85,8 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
 
     Why: small AdamW steps vanish when added to bf16 params directly (|Δ| < half a bf16 ulp); the master
     keeps them. And the model itself is bf16, so the weight push hands engines the model's own buffers
-    (DLPack, zero-copy) instead of casting every parameter at each sync (docs/benchmarks.md, "Weight sync").
+    (DLPack, zero-copy) instead of casting every parameter at each sync (docs/experiments/cpu_rollouts.md,
+    "Weight sync").
     The update returned to `optax.apply_updates` is round_bf16(master) − params computed in f32, which is
     exact (both are bf16 values), so the params equal round_bf16(master) bit for bit after every step.
     """
