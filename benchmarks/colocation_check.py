@@ -42,12 +42,10 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-GB = 1e9
+from benchmarks import bench_common
 
-import bench_common  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
 
 
 # ------------------------------------------------------------------------------------------- memory probes
@@ -271,7 +269,7 @@ def vllm_child(args):
 # ------------------------------------------------------------------------------------------------- driver
 class Child:
     def __init__(self, role, extra, env):
-        cmd = [sys.executable, os.path.abspath(__file__), "--role", role] + extra
+        cmd = [sys.executable, "-m", "benchmarks.colocation_check", "--role", role] + extra  # cwd: the root
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=ROOT)
         self.pid = self.call(None)["pid"]

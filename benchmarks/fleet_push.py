@@ -20,7 +20,7 @@ import argparse
 import os
 import tempfile
 
-from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def main():

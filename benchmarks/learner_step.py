@@ -35,9 +35,7 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import serve_timed_steps  # noqa: E402
+from benchmarks.bench_common import serve_timed_steps
 
 # Checkpoint dims per size (Qwen2, tied embeddings). 100m: 12 layers, d=768, vocab 32000 -> ~100M params.
 SIZES = {

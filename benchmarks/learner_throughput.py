@@ -39,9 +39,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps  # noqa: E402
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps
 
 SIDES = ("new", "old", "torch")
 GRAD_NORM_RTOL = {"fp32": 1e-3, "bf16": 3e-2}

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench_common import add_model_size_args
+from benchmarks.bench_common import add_model_size_args
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.model import Transformer

@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 
-from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:

@@ -70,7 +70,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 NO_CORRECTION = {"tis.RolloutCorrectionConfig.mode": "'none'"}
 SEQUENCE_TIS = ["gin/recipes/sequence_tis.gin"]
@@ -727,7 +726,7 @@ def main(argv=None):
     if args.probe_mismatch is not None:
         if not toy:
             raise SystemExit("error: --probe_mismatch measures the toy setting; the SmolLM2 runs log tis/kl "
-                             "(and benchmarks/served_vs_learner.py scores a checkpoint)")
+                             "(and experiments/served_vs_learner.py scores a checkpoint)")
         model_path = ensure_start(out, setting, start_source)
         result = probe_mismatch(model_path, args.probe_mismatch or list(PROBE_ENGINES))
         (out / "probe_mismatch.json").write_text(json.dumps(result, indent=2))

@@ -24,7 +24,7 @@ import sys
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engines' INFO lines would bury the table
 
-from served_vs_learner import QUESTIONS, _score  # noqa: E402  (benchmarks/ is the script's directory)
+from experiments.served_vs_learner import QUESTIONS, _score  # noqa: E402
 
 
 def measure(args) -> dict:

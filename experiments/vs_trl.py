@@ -272,7 +272,7 @@ def run_ours(args, out: Path, quantization) -> dict:
 
 def run_trl(argv: list[str], out: Path) -> dict:
     """Runs TRL in a child process (its colocated vLLM sets torch.distributed state and env vars)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", "trl", *argv]
+    cmd = [sys.executable, "-m", "experiments.vs_trl", "--_phase", "trl", *argv]  # run_logged: cwd REPO
     wall = run_logged(cmd, out / "trl.log", "TRL")
     return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall,
             "weights_dir": str(out / "trl" / "final")}
