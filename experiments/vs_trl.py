@@ -1,6 +1,6 @@
 """Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
 
-    nice -n 19 python benchmarks/vs_trl.py --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
+    nice -n 19 python -m experiments.vs_trl --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
         [--reuse_ours] [--reuse_trl]   # a finished (or, for TRL, cut) run in OUT_DIR is read, not rerun
 
 One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
@@ -20,8 +20,8 @@ runs at its best setting on this CPU (best vs best):
     than unquantized; it is there for the TIS experiment, not for speed);
   - learner (`--ours_learner`): `fp32` (float32 math on bf16 params, which are the weights the engine
     serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math); `auto`
-    (default) = `recipe` where the CPU has bf16 dot products (an AMX Xeon: one SmolLM2-sized update 21.5 s
-    bf16 vs 34.7 s fp32), else `fp32` (a Zen 3 EPYC has none: bf16 is widened in software);
+    (default) = `recipe` where the CPU has bf16 dot products (there bf16 is the faster learner math,
+    docs/benchmarks.md), else `fp32` (without them bf16 is widened in software);
     `--ours_remat none` drops the recipe's recompute (`train.remat = 'none'`, same 1024-token micro-batches:
     the recipe recomputes activations for a box shared with other jobs; alone, the memory is there);
     `--ours_gin NAME=VALUE` (repeatable) adds any other binding of portable_rl.train (e.g.
@@ -35,9 +35,8 @@ runs at its best setting on this CPU (best vs best):
   torch autocast for the forward passes, generation included, float32 masters and AdamW), `fp32` elsewhere
   (`bf16=False`: without those instructions torch widens every bf16 GEMM in software, several times slower).
   `bf16` = the model itself in bf16 (`dtype=torch.bfloat16`, `bf16=True`; AdamW updates bf16 weights, which
-  round lr-5e-5 steps away: faster, not better). Measured on a Zen 5 EPYC with avx512_bf16 (fwd+bwd of
-  8 x 240 tokens / generate 8 x 32): fp32 47.4 / 80.6 s, bf16 autocast 34.3 / 54.3 s, pure bf16 28.9 / 56.2 s
-  (docs/benchmarks.md). Per-device batch `B` completions,
+  round lr-5e-5 steps away: faster, not better); the three timed: docs/benchmarks.md ("Ours vs TRL
+  GRPOTrainer"). Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
