@@ -33,6 +33,25 @@ def test_every_script_imports_as_a_module_of_its_package(package):
         assert name == "bench_common" or callable(getattr(module, "main", None)), module.__name__
 
 
+def test_docs_name_scripts_that_are_there():
+    """Every `python -m benchmarks.X` / `experiments.X` and `benchmarks/X.py` / `experiments/X.py` that the docs,
+    the recipes and the code name is a file (the drivers moved from benchmarks/ to experiments/)."""
+    import re
+
+    sources = [ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md"),
+               *(ROOT / "gin").rglob("*.gin"), *(ROOT / "portable_rl").rglob("*.py"), *(ROOT / "benchmarks").glob("*.[ps][yh]"),
+               *(ROOT / "experiments").glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    named = set()
+    for src in sources:
+        text = src.read_text()
+        named |= {f"{pkg}/{name}.py" for pkg, name in re.findall(r"\b(benchmarks|experiments)\.([a-z_0-9]+)\b", text)
+                  if name not in ("md", "py", "sh", "X")}
+        named |= set(re.findall(r"\b(?:benchmarks|experiments)/[a-z_0-9]+\.(?:py|sh)\b", text))
+    assert len(named) > 10
+    missing = sorted(n for n in named if not (ROOT / n).is_file())
+    assert not missing, missing
+
+
 def run(cmd, timeout, **env):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
