@@ -25,8 +25,8 @@ Two layouts (`sleep_engine`):
   weights = the checkpoint's tensors in the engine's dtype (FP8 projections: 1 byte) / tensor_parallel,
   KV bytes per token = 2·layers·kv_heads·head_dim·2 / tensor_parallel, asleep = what a sleeping vLLM keeps
   (CUDA context, CUDA graphs), reserve = the learner's runtime outside XLA's buffers (CUDA context,
-  cuBLAS/cuDNN workspaces: 1.49 GB measured on an H200, benchmarks/gpu_check.sh) and fragmentation; the
-  engine's own context is inside asleep / overhead.
+  cuBLAS/cuDNN workspaces: measured by benchmarks/gpu_check.sh, docs/benchmarks.md "GPU check") and
+  fragmentation; the engine's own context is inside asleep / overhead.
 
 A plan that cannot fit raises `MemoryPlanError` (a one-line `UserError` naming the knob) before anything
 loads. Environment variables the user already set win over the plan, and the fit is checked with them.
@@ -114,7 +114,7 @@ class MemoryPlan:
     learner_fraction: Optional[float] = None    # resident: XLA's share; None: from the peak
     engine_overhead_gb: float = 3.0             # vLLM activations, sampler, CUDA graphs (awake)
     engine_asleep_gb: float = 2.0               # a sleeping vLLM: CUDA context and graphs
-    reserve_gb: float = 2.0                     # learner's CUDA runtime (1.5 GB on an H200), fragmentation
+    reserve_gb: float = 2.0                     # learner's CUDA runtime (docs/benchmarks.md), fragmentation
     engine_weights_gb: Optional[float] = None   # overrides of what is read from model_path
     learner_resident_gb: Optional[float] = None
 
