@@ -140,7 +140,7 @@ def learner_child(args):
     import numpy as np
     from flax import nnx
 
-    from gpu_check import MODEL_1B, MODEL_TINY, build_model
+    from benchmarks.gpu_check import MODEL_1B, MODEL_TINY, build_model
 
     from portable_rl.learner_jax.logprobs import sequence_logprobs
     from portable_rl.learner_jax.optim import make_optimizer

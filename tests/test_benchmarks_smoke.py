@@ -25,11 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_script_imports_as_a_module_of_its_package(package):
     """`python -m benchmarks.X` / `python -m experiments.X`: each script imports through its package (shared
     helpers as `benchmarks.bench_common`), with no sys.path edits, and has a main()."""
+    import re
+
     names = [m.name for m in pkgutil.iter_modules(package.__path__)]
     assert len(names) >= 4
+    siblings = re.compile(r"^\s*(from|import) (" + "|".join(names) + r")\b", re.M)  # also inside functions
     for name in names:
         module = importlib.import_module(f"{package.__name__}.{name}")
-        assert "sys.path" not in Path(module.__file__).read_text(), module.__file__
+        source = Path(module.__file__).read_text()
+        assert "sys.path" not in source and not siblings.search(source), module.__file__
         assert name == "bench_common" or callable(getattr(module, "main", None)), module.__name__
 
 
