@@ -11,7 +11,7 @@ Prints a markdown table: layout (time-shared / resident), fits or the knob the p
 gpu_memory_utilization and the KV-cache tokens it leaves. Nothing is allocated; the checkpoints are
 header-only (portable_rl.testing.shapes_only).
 
-    python benchmarks/colocation_plan.py [--device_gb 141] [--devices 1 2 4 8]
+    python -m benchmarks.colocation_plan [--device_gb 141] [--devices 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from learner_memory import MODELS  # noqa: E402  (published config.json values)
-
-from portable_rl.memory_plan import MemoryPlan, MemoryPlanError  # noqa: E402
-from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint  # noqa: E402
+from benchmarks.learner_memory import MODELS  # (published config.json values)
+from portable_rl.memory_plan import MemoryPlan, MemoryPlanError
+from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint
 
 GB = 1e9
 # (recipe, model, engine quantization, MAX_MODEL_LEN, peak at fsdp=8 in GB, micro-batched?) from docs/scaling.md

@@ -32,9 +32,9 @@ Output: one line per path; `--json` makes each a JSON object with model, tokens_
 peak_bytes_per_device, the parts (params / optimizer / argument / output / alias / temp bytes), every
 compiled function's numbers, the knobs, compile_seconds.
 
-    python benchmarks/learner_memory.py --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
-    python benchmarks/learner_memory.py --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
-    python benchmarks/learner_memory.py --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
+    python -m benchmarks.learner_memory --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
+    python -m benchmarks.learner_memory --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
+    python -m benchmarks.learner_memory --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
 
 Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
 assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early

@@ -25,7 +25,7 @@ compete); the parent asks for one update at a time, alternating sides, so load o
 all of them alike; medians of `--reps` after one warm-up update. The sides of one dtype run together
 (alternating); dtypes run one after another (fewer processes in memory at once).
 
-    python benchmarks/learner_throughput.py [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
+    python -m benchmarks.learner_throughput [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps  # noqa: E402
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps
 
 SIDES = ("new", "old", "torch")
 GRAD_NORM_RTOL = {"fp32": 1e-3, "bf16": 3e-2}

@@ -1,7 +1,7 @@
 """Shared prompts in the learner: one SmolLM2 learner step with and without `share_prompts`, same batch.
 
 A GRPO group is n answers to one prompt. Packed one sequence at a time, the learner runs the prompt's
-p tokens n times; with `train.share_prompts` (learner_jax/memory.py) they share one copy and each answer
+p tokens n times; with `learner.MemoryConfig.share_prompts` (learner_jax/memory.py) they share one copy and each answer
 is a continuation segment that attends to it (learner_jax/attention.py):
 
     learner tokens per group    n · (p + r)    ->    p − 1 + n · (r + 1)
@@ -14,7 +14,7 @@ old logprobs agree (bf16 compute: max |Δ| reported) and so do their first updat
 Timing: `prepare` + `update` (old logprobs + the optimizer updates: the learner's whole share of a step),
 arms alternated after one warm-up (compile) call each, median of `--reps`; ratio = unshared / shared.
 
-    python benchmarks/shared_prompts.py [--model checkpoints/smollm2-135m-instruct] [--groups 8]
+    python -m benchmarks.shared_prompts [--model checkpoints/smollm2-135m-instruct] [--groups 8]
                                         [--samples 8] [--response-tokens 70] [--reps 2] [--json]
                                         [--compute-dtype float32]   (the arms agree to float32 rounding)
 """

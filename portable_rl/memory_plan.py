@@ -25,8 +25,8 @@ Two layouts (`sleep_engine`):
   weights = the checkpoint's tensors in the engine's dtype (FP8 projections: 1 byte) / tensor_parallel,
   KV bytes per token = 2·layers·kv_heads·head_dim·2 / tensor_parallel, asleep = what a sleeping vLLM keeps
   (CUDA context, CUDA graphs), reserve = the learner's runtime outside XLA's buffers (CUDA context,
-  cuBLAS/cuDNN workspaces: 1.49 GB measured on an H200, benchmarks/gpu_check.sh) and fragmentation; the
-  engine's own context is inside asleep / overhead.
+  cuBLAS/cuDNN workspaces: measured by benchmarks/gpu_check.sh, docs/benchmarks.md "GPU check") and
+  fragmentation; the engine's own context is inside asleep / overhead.
 
 A plan that cannot fit raises `MemoryPlanError` (a one-line `UserError` naming the knob) before anything
 loads. Environment variables the user already set win over the plan, and the fit is checked with them.
@@ -108,13 +108,13 @@ class MemoryPlan:
     min_kv_cache_tokens: Optional[int] = None   # ... this many tokens must fit
     engine_tensor_parallel: int = 1
     learner_shards: int = 1                     # fsdp × tensor of the learner mesh (divides its state)
-    param_dtype: str = "float32"                # train's (the CLI reads train.param_dtype / master_dtype)
+    param_dtype: str = "float32"                # train's (the CLI reads rl.PrecisionConfig.param_dtype / master_dtype)
     master_dtype: Optional[str] = "float32"
     device_memory_gb: Optional[float] = None    # None: nvidia-smi
     learner_fraction: Optional[float] = None    # resident: XLA's share; None: from the peak
     engine_overhead_gb: float = 3.0             # vLLM activations, sampler, CUDA graphs (awake)
     engine_asleep_gb: float = 2.0               # a sleeping vLLM: CUDA context and graphs
-    reserve_gb: float = 2.0                     # learner's CUDA runtime (1.5 GB on an H200), fragmentation
+    reserve_gb: float = 2.0                     # learner's CUDA runtime (docs/benchmarks.md), fragmentation
     engine_weights_gb: Optional[float] = None   # overrides of what is read from model_path
     learner_resident_gb: Optional[float] = None
 
@@ -183,7 +183,7 @@ class MemoryPlan:
                 raise MemoryPlanError(
                     f"memory plan: learner phase {learner_phase / GB:.1f} GB (learner peak {peak / GB:.1f} + engine "
                     f"asleep {self.engine_asleep_gb:.1f} + reserve {self.reserve_gb:.1f}) > {m / GB:.1f} GB device "
-                    "memory; lower LEARNER_PEAK_GB (smaller train.max_tokens_per_micro_batch, remat, more fsdp "
+                    "memory; lower LEARNER_PEAK_GB (smaller learner.MemoryConfig.max_tokens_per_micro_batch, remat, more fsdp "
                     "devices: docs/scaling.md)")
             engine_fraction = (m - resident - reserve) / m
             b["learner_fraction"] = None

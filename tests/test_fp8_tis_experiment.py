@@ -1,30 +1,23 @@
-"""benchmarks/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
+"""experiments/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
 precision and the correction changed, every seed sees the same problems, and the aggregation reads what the runs
 wrote. The runs themselves (an hour each here) are in docs/experiments/quantized_rollouts.md."""
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import gin
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from experiments import fp8_tis_experiment
 
 
 @pytest.fixture
 def exp():
-    spec = importlib.util.spec_from_file_location("fp8_tis_experiment", REPO / "benchmarks" / "fp8_tis_experiment.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
     gin.clear_config()
-    yield module
+    yield fp8_tis_experiment
     gin.clear_config()
-    sys.modules.pop(spec.name, None)
 
 
 def _configured(exp, arm, seed):

@@ -157,7 +157,8 @@ def test_every_gin_file_the_repo_names_exists():
     import re
 
     sources = [*GIN.rglob("*.gin"), *(REPO / "docs").glob("*.md"), REPO / "README.md",
-               *(REPO / "portable_rl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+               *(REPO / "portable_rl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"),
+               *(REPO / "experiments").glob("*.py")]
     named = {(m, src.relative_to(REPO)) for src in sources
              for m in re.findall(r"gin/[\w./-]+?\.gin", src.read_text())}
     assert len(named) > 10

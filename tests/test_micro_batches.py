@@ -122,10 +122,9 @@ def test_correct_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batc
 
 # ------------------------------------------------------------------------------ 2 host devices
 MESH_SCRIPT = textwrap.dedent(r'''
-    import json, sys
+    import json
     import numpy as np
-    sys.path.insert(0, "tests")
-    from test_micro_batches import MemoryConfig, ragged_batch, run_update
+    from tests.test_micro_batches import MemoryConfig, ragged_batch, run_update   # cwd: the repository root
     import jax
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 

@@ -49,7 +49,7 @@ class TimeSharing:
         if enabled and async_rollouts:  # checked before anything loads
             raise ConfigError("SLEEP_ENGINE=True with async_rollouts=True: async rollouts generate during the "
                               "learner phase, so the engine cannot sleep then; set SLEEP_ENGINE=False (resident "
-                              "memory plan) or train.async_rollouts=False")
+                              "memory plan) or rl.RunConfig.async_rollouts=False")
         self.enabled = enabled
         self.engine = None
         self.state = "awake"  # awake | asleep | weights (weights back, KV cache not yet)

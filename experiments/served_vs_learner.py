@@ -1,8 +1,8 @@
 """Engine vs learner on a training checkpoint: which precision makes the mismatch (docs/training.md, SmolLM2).
 
-    python benchmarks/served_vs_learner.py --checkpoints RUN/checkpoints --step 14
+    python -m experiments.served_vs_learner --checkpoints RUN/checkpoints --step 14
         [--model checkpoints/smollm2-135m-instruct] [--prompts 32 --max-tokens 96 --temperature 0.6]
-    python benchmarks/served_vs_learner.py --checkpoints RUN/checkpoints --survival-steps 5,10,15
+    python -m experiments.served_vs_learner --checkpoints RUN/checkpoints --survival-steps 5,10,15
 
 Mismatch. Restores the step's learner weights (fp32 masters) and samples --prompts chat-templated
 arithmetic questions from vLLM engines serving them, then scores the same tokens with the learner:
