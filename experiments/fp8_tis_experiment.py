@@ -232,7 +232,7 @@ def train_command(setting: Setting, arm: str, seed: int, steps: int, run_dir: Pa
     cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={setting.base_gin}"]
     cmd += [f"--gin_file={f}" for f in files]
     bindings = {"RUN_DIR": f"'{run_dir}'", "TRAIN_STEPS": str(steps), "MODEL_PATH": f"'{model_path}'",
-                "rl.RunConfig.seed": str(seed), "nothing:": "False", **setting.bindings, **bindings}
+                "rl.RunConfig.seed": str(seed), **setting.bindings, **bindings}
     cmd += [f"--gin_bindings={k} = {v}" for k, v in bindings.items()]
     return cmd
 

@@ -246,7 +246,7 @@ def run_ours(args, out: Path, quantization) -> dict:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
-               f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.nothing:=False", *ours_bindings(args)]
+               f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", *ours_bindings(args)]
         wall = run_logged(cmd, out / "ours.log", "ours")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if 1 <= r["step"] <= args.steps]

@@ -58,11 +58,11 @@ def test_gin_binds_each_part_without_a_reference_to_it():
     assert cfg.rows_per_minibatch == 32
 
 
-@pytest.mark.parametrize("old, new", [("rl.GenerationConfig.n_samples = 4", "rl.GenerationConfig.n_samples"),
-                                      ("rl.LossConfig.clip_eps_high = 0.3", "rl.LossConfig.clip_eps_high"),
-                                      ("learner.MemoryConfig.attention_impl = 'dense'", "learner.MemoryConfig.attention_impl"),
-                                      ("rl.RunConfig.seed = 3", "rl.RunConfig.seed"),
-                                      ("rl.PrecisionConfig.compute_dtype = 'float32'", "rl.PrecisionConfig.compute_dtype"),
+@pytest.mark.parametrize("old, new", [("rl.DapoConfig.n_samples = 4", "rl.GenerationConfig.n_samples"),
+                                      ("rl.DapoConfig.clip_eps_high = 0.3", "rl.LossConfig.clip_eps_high"),
+                                      ("train.attention_impl = 'dense'", "learner.MemoryConfig.attention_impl"),
+                                      ("train.seed = 3", "rl.RunConfig.seed"),
+                                      ("train.compute_dtype = 'float32'", "rl.PrecisionConfig.compute_dtype"),
                                       ("train.mismatch_split = False", "rl.DiagnosticsConfig.disabled")])
 def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
     from portable_rl.train import train
