@@ -90,7 +90,7 @@ def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
     assert len(rows) == 2
     for r in rows:
         assert r["tis/valid_tokens"] > 0 and abs(r["tis/kl"]) <= 0.01, r["tis/kl"]
-    assert "DapoConfig.top_p = 0.8" in (run / "config.gin").read_text()
+    assert "GenerationConfig.top_p = 0.8" in (run / "config.gin").read_text()
 
 
 def test_int8_smoothquant_run_and_resume(root, run_dir):

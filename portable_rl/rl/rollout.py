@@ -8,7 +8,7 @@ groups, until `prompt_batch_size` groups are kept. The data and the sampling see
 Non-finite engine logprobs (NaN / ±inf: a broken kernel, an overflowing FP8 scale) are counted over every
 token generated this step, `rollout/nonfinite_logprobs` and `rollout/nonfinite_fraction`; packing drops
 those tokens from the loss (`batching.pack_rollouts`). `check_nonfinite_fraction` stops the run when their
-fraction passes `DapoConfig.max_nonfinite_fraction`.
+fraction passes `rl.SafetyConfig.max_nonfinite_fraction`.
 """
 
 from __future__ import annotations
