@@ -38,10 +38,10 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
 
     `xla_preallocate=False`: JAX here only holds the restored params for one push, so XLA is told not to
     preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false unless exported) and the engine's GPU_MEMORY_UTILIZATION
-    share stays free for it (portable_rl/memory_plan.py). No effect on CPU.
+    share stays free for it (rl/colocation.py). No effect on CPU.
     """
     if not xla_preallocate:  # before JAX starts its devices (the checkpoint restore below)
-        from portable_rl.memory_plan import PREALLOCATE
+        from portable_rl.rl.colocation import PREALLOCATE
 
         os.environ.setdefault(PREALLOCATE, "false")
     from portable_rl.engines.base import SamplingConfig

@@ -85,7 +85,7 @@ def register_library() -> None:
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     register_configurable(MemoryPlan)  # gin/colocate.gin
     _REGISTERED = True
@@ -243,7 +243,7 @@ def query_value(name: str):
 
 def memory_budget(binding: str = "train.memory_plan"):
     """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), decided, with
-    XLA's variables set and its line printed (`memory_plan.prepare`), or None when nothing binds it. The entry
+    XLA's variables set and its line printed (`rl.colocation.prepare`), or None when nothing binds it. The entry
     points call this before JAX starts its devices."""
     try:
         value = gin.query_parameter(binding)
@@ -254,7 +254,7 @@ def memory_budget(binding: str = "train.memory_plan"):
         return None
     import dataclasses
 
-    from portable_rl.memory_plan import MemoryPlan, prepare
+    from portable_rl.rl.colocation import MemoryPlan, prepare
 
     if isinstance(plan, MemoryPlan):  # the learner's dtypes are train's settings: one place sets them
         for name in ("param_dtype", "master_dtype"):

@@ -53,7 +53,7 @@ def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correc
     defaults here: train()'s signature is the one place they are set)."""
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
-        from portable_rl.memory_plan import prepare
+        from portable_rl.rl.colocation import prepare
 
         budget = prepare(memory_plan)
     import jax

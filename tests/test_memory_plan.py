@@ -1,4 +1,4 @@
-"""The memory plan (portable_rl/memory_plan.py): the formula on a Qwen3-8B-shaped checkpoint (header only),
+"""The memory plan (portable_rl/rl/colocation.py): the formula on a Qwen3-8B-shaped checkpoint (header only),
 the environment the user set winning, one-line errors naming the knob, and the CLI stopping before anything
 loads. No JAX, no device: the plan is decided before either exists."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from portable_rl.errors import UserError
-from portable_rl.memory_plan import (ALLOCATOR, GB, MEM_FRACTION, PREALLOCATE, MemoryPlan, MemoryPlanError,
-                                     checkpoint_bytes, kv_bytes_per_token)
+from portable_rl.rl.colocation import (ALLOCATOR, GB, MEM_FRACTION, PREALLOCATE, MemoryPlan, MemoryPlanError,
+                                        checkpoint_bytes, kv_bytes_per_token)
 from portable_rl.testing.shapes_only import write_shapes_only_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def test_a_plan_that_cannot_fit_is_one_line_naming_the_knob(qwen3_8b, kw, knob):
 
 
 def test_no_gpu_means_nothing_is_set(qwen3_8b, monkeypatch):
-    monkeypatch.setattr("portable_rl.memory_plan.detect_device_memory", lambda: (None, 0, "no nvidia-smi"))
+    monkeypatch.setattr("portable_rl.rl.colocation.detect_device_memory", lambda: (None, 0, "no nvidia-smi"))
     env = {}
     b = plan(qwen3_8b, device_memory_gb=None).decide(environ=env)
     assert not b.active and b.engine_kwargs() == {} and b.apply(env) == {} and env == {}

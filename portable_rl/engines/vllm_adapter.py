@@ -45,7 +45,7 @@ Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box a
 `engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
 `"fp8_per_block"` on GPU, `tensor_parallel_size`); they override the defaults here.
 
-Sleep (colocated with the learner: portable_rl/memory_plan.py, rl/colocation.py). `enable_sleep_mode=True`
+Sleep (colocated with the learner: rl/colocation.py). `enable_sleep_mode=True`
 (GPU) starts vLLM with its cumem allocator; `sleep()` then offloads the weights to host RAM and drops the KV
 cache (`sleep_level=1`), or drops both (`sleep_level=2`: less host RAM, no offload copy, valid only when
 every wake-up is followed by a full push, as the training loop does); `wake_up(tags=["weights"])` maps the
