@@ -184,8 +184,10 @@ def load_setting(args) -> dict:
     """Parses the recipe + overrides (in this process) and reads the values both systems use."""
     from portable_rl import gin_utils
     from portable_rl.train import train
+    from portable_rl.warmstart import warmstart
 
     gin_utils.register_configurable(train, name="train")  # what `portable_rl.train`'s CLI does
+    gin_utils.register_configurable(warmstart, name="warmstart")
     argv = gin_utils.rewrite_gin_args(gin_bindings(args))
     gin_utils.parse_gin([RECIPE], [a[len("--gin_bindings="):] for a in argv])
     import gin

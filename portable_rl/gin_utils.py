@@ -61,7 +61,8 @@ def register_configurable(fn: Callable, name: str | None = None, module: str | N
 
 
 def register_library() -> None:
-    """Registers the gin-free library callables that gin files may reference."""
+    """Registers the gin-free library callables that gin files may reference. The entry points register
+    their own functions (`train` with `warmstart`, `evaluate`, `warmstart`), so none is imported here."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -77,11 +78,9 @@ def register_library() -> None:
     register_configurable(tis.from_preset, name="from_preset", module="tis")
     register_configurable(dapo.DapoConfig, module="rl")
     from portable_rl.learner_jax import optim, sharding
-    from portable_rl.rl import warmstart  # the library function; portable_rl/warmstart.py is its entry point
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
     register_configurable(sharding.MeshConfig, module="sharding")
-    register_configurable(warmstart.warmstart, name="warmstart")
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI

@@ -289,9 +289,11 @@ def cli(argv=None):
     processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
     from portable_rl import gin_utils
     from portable_rl.launch import fail_fast, initialize_from_environment
+    from portable_rl.warmstart import warmstart
 
     several = initialize_from_environment()
     configured = gin_utils.register_configurable(train, name="train")
+    gin_utils.register_configurable(warmstart, name="warmstart")  # the default run's train.warmstart_fn
     run = lambda: gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])  # noqa: E731
     fail_fast(run) if several else run()  # several processes: an error must not wait for the others
 

@@ -323,10 +323,12 @@ def test_seed_recipe_engine_starts_from_a_bf16_checkpoint(qwen2, tmp_path):
 
     from portable_rl import gin_utils
     from portable_rl.train import train
+    from portable_rl.warmstart import warmstart
 
     gin.clear_config()
     try:
         gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(warmstart, name="warmstart")
         gin_utils.parse_gin(["gin/recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin"],
                             [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{qwen2}'",
                              "DATA_PATH = 'unused.jsonl'", "EVAL_DATA_PATH = 'unused.jsonl'"])

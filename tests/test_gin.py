@@ -16,6 +16,7 @@ import pytest
 
 from portable_rl import gin_utils
 from portable_rl.train import train
+from portable_rl.warmstart import warmstart
 
 REPO = Path(__file__).resolve().parent.parent
 GIN = REPO / "gin"
@@ -27,6 +28,7 @@ TRAIN_FILES = ["dapo_fp8.gin", "recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin",
 def fresh_gin():
     gin.clear_config()
     gin_utils.register_configurable(train, name="train")
+    gin_utils.register_configurable(warmstart, name="warmstart")
     yield
     gin.clear_config()
 
@@ -167,6 +169,7 @@ def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
     def bound(files, bindings, name):
         gin.clear_config()
         gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(warmstart, name="warmstart")
         gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
         gin_utils.parse_gin(files, bindings)
         values = {k: _resolve(gin.query_parameter(f"{name}.{k}")) for k in ("task", "chat_template")}
@@ -195,6 +198,7 @@ def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_file
         for extra, macros in (([], []), (["gin/colocate.gin"], ["LEARNER_PEAK_GB = 68"])):  # as the page shows
             gin.clear_config()
             gin_utils.register_configurable(train, name="train")
+            gin_utils.register_configurable(warmstart, name="warmstart")
             gin_utils.parse_gin([recipe, *extra], [*macros, f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
                                                   f"DATA_PATH = '{data_files}/train.jsonl'",
                                                   f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])

@@ -119,12 +119,14 @@ def test_gin_file_binds_the_plan_and_the_cli_applies_it(qwen3_8b, monkeypatch, c
 
     from portable_rl import gin_utils
     from portable_rl.train import train
+    from portable_rl.warmstart import warmstart
 
     for key in (PREALLOCATE, MEM_FRACTION, ALLOCATOR):
         monkeypatch.delenv(key, raising=False)  # restored after the test
     gin.clear_config()
     try:
         gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(warmstart, name="warmstart")
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{qwen3_8b}'", "LEARNER_PEAK_GB = 85.9", "DEVICE_MEMORY_GB = 141.0",
                              "LEARNER_SHARDS = 8", "MAX_MODEL_LEN = 22528"])
@@ -143,10 +145,12 @@ def test_default_config_binds_no_plan():
 
     from portable_rl import gin_utils
     from portable_rl.train import train
+    from portable_rl.warmstart import warmstart
 
     gin.clear_config()
     try:
         gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(warmstart, name="warmstart")
         gin_utils.parse_gin(["gin/dapo_fp8.gin"])
         assert gin_utils.memory_budget() is None
     finally:
@@ -174,6 +178,7 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
 
     from portable_rl import gin_utils
     from portable_rl.train import train
+    from portable_rl.warmstart import warmstart
 
     qwen2_5_7b = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
@@ -184,6 +189,7 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
     gin.clear_config()
     try:
         gin_utils.register_configurable(train, name="train")
+        gin_utils.register_configurable(warmstart, name="warmstart")
         gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{path}'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'",
                              "LEARNER_PEAK_GB = 68", "LEARNER_SHARDS = 8", "ENGINE_TENSOR_PARALLEL = 8",
