@@ -29,8 +29,8 @@ WARMSTART_STREAM = 10_000_000  # task step offset: warm-start data never coincid
 def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny", steps: int = 250,
               batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0, max_positions: int = 64,
               warmup_steps: int = 30, schedule: str = "cosine", answer_noise: float = 0.0,
-              noise_kind: str = "suffix", noise_suffix: str = "0", noise_offset: int = 1, progress: bool = True, size_overrides: Optional[dict] = None,
-              snapshot_steps: Sequence[int] = ()) -> str:
+              noise_kind: str = "suffix", noise_suffix: str = "0", noise_offset: int = 1, progress: bool = True,
+              size_overrides: Optional[dict] = None, snapshot_steps: Sequence[int] = ()) -> str:
     """Writes the warm-started HF checkpoint to `output_dir` and returns it.
 
     `answer_noise` > 0 imitates a sloppy teacher: that fraction of the answers is shown with a consistent
