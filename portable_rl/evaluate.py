@@ -17,10 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
 
 def _orbax_dir(checkpoint: Path) -> Optional[Path]:
     for candidate in (checkpoint / "checkpoints", checkpoint):
@@ -121,6 +117,9 @@ def format_table(report: dict) -> str:
 
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `evaluate`."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
 
     configured = gin_utils.register_configurable(evaluate, name="evaluate")

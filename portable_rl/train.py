@@ -15,14 +15,9 @@ step k+1 with training on step k, one step off-policy (rl/async_rollout.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: tensors pass by reference
-# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @dataclasses.dataclass
@@ -287,6 +282,9 @@ def main(configured_train: Callable = train):
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`. Joins the other JAX
     processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
     from portable_rl.launch import fail_fast, initialize_from_environment
     from portable_rl.warmstart import warmstart
