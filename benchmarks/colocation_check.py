@@ -300,7 +300,7 @@ class Child:
 
 
 def run(args) -> dict:
-    from portable_rl.memory_plan import detect_device_memory, xla_env_for
+    from portable_rl.rl.colocation import detect_device_memory, xla_env_for
 
     if args.dry_run:
         device_bytes, source = 0.3 * GB, "dry run: a pretend 0.3 GB device (host RAM)"
@@ -322,7 +322,7 @@ def run(args) -> dict:
 
 
 def _with_learner(args, learner, device_bytes, source, base_env) -> dict:
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     info = learner.call("info")
     # 2. The plan from what the learner reports (the engine's weights: 1.5 GB stands in for a small model).

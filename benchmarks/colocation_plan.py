@@ -1,4 +1,4 @@
-"""Which 7B/8B recipe fits colocated on how many GPUs: `memory_plan.MemoryPlan` over device counts.
+"""Which 7B/8B recipe fits colocated on how many GPUs: `rl.colocation.MemoryPlan` over device counts.
 
 For N devices the learner is fsdp=N and the engine one vLLM with tensor_parallel_size=N (weights and KV cache
 split N ways). The learner's per-device peak at N devices is its state at N plus the activation temp measured
@@ -22,7 +22,7 @@ import os
 import tempfile
 
 from benchmarks.learner_memory import MODELS  # (published config.json values)
-from portable_rl.memory_plan import MemoryPlan, MemoryPlanError
+from portable_rl.rl.colocation import MemoryPlan, MemoryPlanError
 from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint
 
 GB = 1e9

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-import portable_rl.engines  # noqa: F401  (first: sets OMP_WAIT_POLICY=PASSIVE before anything loads torch)
+from portable_rl.engines.cpu_features import prefer_passive_omp_waits
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -211,6 +211,7 @@ def profile_generate(engine, inputs, sampling) -> dict:
 
 
 def main():
+    prefer_passive_omp_waits()  # before anything loads torch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--dtypes", default="bfloat16,float32")

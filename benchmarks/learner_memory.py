@@ -194,9 +194,9 @@ FLOAT_FIELDS = ("response_mask", "keep_mask", "old_logprobs", "rollout_logprobs"
 
 def rl_cfg():
     """The DAPO settings of the 7B/8B recipes (gin/recipes/dapo_seed_settings.gin) that the loss reads."""
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
 
-    return DapoConfig(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
+    return dapo_config(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
                       clip_eps_high=0.28, loss_aggregation="token-mean")
 
 

@@ -109,7 +109,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.batching import pack_rollouts
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.learner import Learner
 
     if side == "new":
@@ -124,7 +124,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
                              attention_impl=memory.attention_impl, remat=memory.remat)
     optimizer = nnx.Optimizer(model, make_optimizer(**OPTIM), wrt=nnx.Param)
     n = len(rollouts["prompts"])
-    cfg = DapoConfig(prompt_batch_size=1, n_samples=n, mini_batch_size=1, clip_eps_low=CLIP[0],
+    cfg = dapo_config(prompt_batch_size=1, n_samples=n, mini_batch_size=1, clip_eps_low=CLIP[0],
                      clip_eps_high=CLIP[1], loss_aggregation="token-mean")
     correction = tis.RolloutCorrectionConfig(mode="token", clip=2.0)
     learner = Learner(model, optimizer, cfg, correction, memory=memory)

@@ -34,14 +34,15 @@ def build(args):
     from portable_rl.convert.gguf import convert_gguf
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.dapo import build_batch
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import WordProblemsTask
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         convert_gguf(args.model)
     codec = TextCodec(args.model, chat_template=True)
-    cfg = DapoConfig(prompt_batch_size=args.groups, mini_batch_size=max(args.groups // 2, 1), n_samples=args.samples,
+    cfg = dapo_config(prompt_batch_size=args.groups, mini_batch_size=max(args.groups // 2, 1), n_samples=args.samples,
                      max_response_tokens=2 * args.response_tokens, temperature=0.6, overlong_buffer=0)
     rng = np.random.default_rng(0)
     task = WordProblemsTask(min_ops=1, max_ops=2, max_start=10, max_amount=5)

@@ -182,9 +182,9 @@ def ours_bindings(args) -> list[str]:
 def load_setting(args) -> dict:
     """Parses the recipe + overrides (in this process) and reads the values both systems use."""
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_train(train)  # what `portable_rl.train`'s CLI does
+    register_gin()  # what `portable_rl.train`'s CLI does
     argv = gin_utils.rewrite_gin_args(gin_bindings(args))
     gin_utils.parse_gin([RECIPE], [a[len("--gin_bindings="):] for a in argv])
     import gin
@@ -195,12 +195,13 @@ def load_setting(args) -> dict:
             value = value.scoped_configurable_fn()
         return value
 
-    cfg = q("train.algorithm")           # the configured DapoConfig
+    cfg = gin_utils.CONFIG_OBJECTS["algorithm"]()  # the configured DapoConfig
+    gen, loss = cfg.generation, cfg.loss
     setting = {
         "model_path": str(REPO / q("rl.RunConfig.model_path")), "task": q("train.task"),
-        "prompts_per_step": cfg.prompt_batch_size, "n_samples": cfg.n_samples, "mini_batch_size": cfg.mini_batch_size,
-        "max_tokens": cfg.max_response_tokens, "temperature": cfg.temperature, "overlong_buffer": cfg.overlong_buffer,
-        "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
+        "prompts_per_step": cfg.data.prompt_batch_size, "n_samples": gen.n_samples,
+        "mini_batch_size": loss.mini_batch_size, "max_tokens": gen.max_response_tokens, "temperature": gen.temperature,
+        "overlong_buffer": loss.overlong_buffer, "clip_eps_low": loss.clip_eps_low, "clip_eps_high": loss.clip_eps_high,
         "learning_rate": q("optim.make_optimizer.learning_rate"),
         "warmup_steps": q("optim.make_optimizer.warmup_steps"), "weight_decay": q("optim.make_optimizer.weight_decay"),
         "max_grad_norm": q("optim.make_optimizer.max_grad_norm"),

@@ -88,9 +88,9 @@ def owners() -> list[tuple[str, object]]:
     from portable_rl import gin_utils
     from portable_rl.engines import registry
     from portable_rl.evaluate import evaluate
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_train(train)
+    register_gin()
     gin_utils.register_configurable(evaluate, name="evaluate")
     seen, out = set(), []
     for name, fn in gin_utils._CONFIGURABLES.items():

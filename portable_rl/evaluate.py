@@ -17,10 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
 
 def _orbax_dir(checkpoint: Path) -> Optional[Path]:
     for candidate in (checkpoint / "checkpoints", checkpoint):
@@ -38,10 +34,10 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
 
     `xla_preallocate=False`: JAX here only holds the restored params for one push, so XLA is told not to
     preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false unless exported) and the engine's GPU_MEMORY_UTILIZATION
-    share stays free for it (portable_rl/memory_plan.py). No effect on CPU.
+    share stays free for it (rl/colocation.py). No effect on CPU.
     """
     if not xla_preallocate:  # before JAX starts its devices (the checkpoint restore below)
-        from portable_rl.memory_plan import PREALLOCATE
+        from portable_rl.rl.colocation import PREALLOCATE
 
         os.environ.setdefault(PREALLOCATE, "false")
     from portable_rl.engines.base import SamplingConfig
@@ -121,6 +117,9 @@ def format_table(report: dict) -> str:
 
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `evaluate`."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
 
     configured = gin_utils.register_configurable(evaluate, name="evaluate")

@@ -81,7 +81,8 @@ CONFIG_OBJECTS: dict[str, Callable] = {}  # train()'s config arguments → their
 
 
 def register_library() -> None:
-    """Registers the gin-free library callables that gin files may reference."""
+    """Registers the gin-free library callables that gin files may reference. The entry points register
+    their own functions (`train` with `warmstart`, `evaluate`, `warmstart`), so none is imported here."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -104,22 +105,21 @@ def register_library() -> None:
         memory=register_configurable(MemoryConfig, module="learner"),
         diagnostics=register_configurable(diagnostics.DiagnosticsConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
-    from portable_rl.rl import warmstart  # the library function; portable_rl/warmstart.py is its entry point
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
     register_configurable(sharding.MeshConfig, module="sharding")
-    register_configurable(warmstart.warmstart, name="warmstart")
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     register_configurable(MemoryPlan)  # gin/colocate.gin
     _REGISTERED = True
 
 
 def register_train(train: Callable) -> Callable:
-    """`train` registered as gin's `train`, its config arguments built from their classes' bindings."""
+    """`train` registered as gin's `train`, its config arguments built from their classes' bindings
+    (`portable_rl.train.register_gin` also registers the warm start its default run names)."""
     register_library()
     return register_configurable(with_config_defaults(train, CONFIG_OBJECTS), name="train")
 
@@ -311,7 +311,7 @@ def query_value(name: str):
 
 def memory_budget(binding: str = "train.memory_plan"):
     """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), decided, with
-    XLA's variables set and its line printed (`memory_plan.prepare`), or None when nothing binds it. The entry
+    XLA's variables set and its line printed (`rl.colocation.prepare`), or None when nothing binds it. The entry
     points call this before JAX starts its devices."""
     try:
         value = gin.query_parameter(binding)
@@ -322,7 +322,7 @@ def memory_budget(binding: str = "train.memory_plan"):
         return None
     import dataclasses
 
-    from portable_rl.memory_plan import MemoryPlan, prepare
+    from portable_rl.rl.colocation import MemoryPlan, prepare
 
     if isinstance(plan, MemoryPlan):  # the learner's dtypes are PrecisionConfig's: one place sets them
         for name in ("param_dtype", "master_dtype"):

@@ -176,7 +176,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
       memory: the learner's memory strategy; every setting computes the same update (`learner.MemoryConfig`).
       diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
       mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
-      memory_plan: how learner and engine share each device (`MemoryPlan`, gin/colocate.gin); None: XLA's and
+      memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin); None: XLA's and
         the engine's defaults, the engine always awake.
       warmstart_fn: writes the starting checkpoint when `run.model_path` has none (`warmstart`).
     """
@@ -193,7 +193,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
 
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
-        from portable_rl.memory_plan import prepare
+        from portable_rl.rl.colocation import prepare
 
         budget = prepare(memory_plan)
     state = build_run(run=run, algorithm=algorithm, correction=correction, optimizer_factory=optimizer_factory,
@@ -280,14 +280,27 @@ def main(configured_train: Callable = train):
     print(f"[train] done: {run_dir} (step {last.get('step')}, held-out accuracy {last.get('accuracy/heldout')})")
 
 
+def register_gin() -> Callable:
+    """`train` and the warm start its default run names (`train.warmstart_fn = @warmstart`) registered with gin;
+    returns the configured `train` (what the CLI runs)."""
+    from portable_rl import gin_utils
+    from portable_rl.warmstart import warmstart
+
+    gin_utils.register_configurable(warmstart, name="warmstart")
+    return gin_utils.register_train(train)
+
+
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`. Joins the other JAX
     processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
     from portable_rl.launch import fail_fast, initialize_from_environment
 
     several = initialize_from_environment()
-    configured = gin_utils.register_train(train)
+    configured = register_gin()
     run = lambda: gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])  # noqa: E731
     fail_fast(run) if several else run()  # several processes: an error must not wait for the others
 

@@ -158,9 +158,9 @@ def test_evaluate_cli_bad_input_ends_with_one_line(case, cli_inputs):
 
 def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_train(train)
+    register_gin()
     gin_utils.register_library()
     import gin
 

@@ -65,7 +65,7 @@ def tiny(tmp_path_factory):
 
 def _budget(model_path, sleep_engine=True):
     """A decided plan for a pretend 4 GB device (no GPU here), with nothing taken from this environment."""
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     return MemoryPlan(learner_peak_gb=0.5, model_path=model_path, sleep_engine=sleep_engine, max_model_len=64,
                       device_memory_gb=4.0, engine_overhead_gb=0.5, engine_asleep_gb=0.2,

@@ -83,11 +83,11 @@ def test_gin_composes_a_vllm_fleet(tmp_path):
 
     from portable_rl import gin_utils
     from portable_rl.engines import registry
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
     try:
-        gin_utils.register_train(train)
+        register_gin()
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/engines/ray_vllm.gin"],
                             [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{tmp_path}/model'",
                              "NUM_ENGINES = 3", "RESOURCES_PER_ENGINE = {'num_gpus': 1}",

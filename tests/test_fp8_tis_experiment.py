@@ -23,10 +23,10 @@ def exp():
 def _configured(exp, arm, seed):
     """The arm's training command parsed as portable_rl.train's CLI would: (engine kwargs, correction, seeds)."""
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
-    gin_utils.register_train(train)
+    register_gin()
     cmd = exp.train_command(exp.SETTINGS["smollm2"], arm, seed, 20, Path("/tmp/run"), Path("/tmp/start"))
     gin_utils.parse_gin([c.split("=", 1)[1] for c in cmd if c.startswith("--gin_file=")],
                         [c.split("=", 1)[1] for c in cmd if c.startswith("--gin_bindings=")])

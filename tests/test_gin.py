@@ -15,7 +15,7 @@ import gin
 import pytest
 
 from portable_rl import gin_utils
-from portable_rl.train import train
+from portable_rl.train import register_gin, train
 
 REPO = Path(__file__).resolve().parent.parent
 GIN = REPO / "gin"
@@ -26,7 +26,7 @@ TRAIN_FILES = ["dapo_fp8.gin", "recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin",
 @pytest.fixture
 def fresh_gin():
     gin.clear_config()
-    gin_utils.register_train(train)
+    register_gin()
     yield
     gin.clear_config()
 
@@ -173,7 +173,7 @@ def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
 
     def bound(files, bindings, name):
         gin.clear_config()
-        gin_utils.register_train(train)
+        register_gin()
         gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
         gin_utils.parse_gin(files, bindings)
         chat_template = "rl.RunConfig.chat_template" if name == "train" else "evaluate.chat_template"
@@ -203,7 +203,7 @@ def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_file
     for recipe in recipes:
         for extra, macros in (([], []), (["gin/colocate.gin"], ["LEARNER_PEAK_GB = 68"])):  # as the page shows
             gin.clear_config()
-            gin_utils.register_train(train)
+            register_gin()
             gin_utils.parse_gin([recipe, *extra], [*macros, f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
                                                   f"DATA_PATH = '{data_files}/train.jsonl'",
                                                   f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])

@@ -65,9 +65,9 @@ def test_gin_binds_each_part_without_a_reference_to_it():
                                       ("train.compute_dtype = 'float32'", "rl.PrecisionConfig.compute_dtype"),
                                       ("train.mismatch_split = False", "rl.DiagnosticsConfig.disabled")])
 def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_train(train)
+    register_gin()
     try:
         with pytest.raises(SystemExit) as e:
             try:

@@ -77,7 +77,7 @@ def test_metrics_writer_truncates_rows_after_resume_step_and_plots(tmp_path):
 
 
 def test_sloppy_teacher_answer_forms():
-    from portable_rl.rl.warmstart import _shown_answer
+    from portable_rl.warmstart import _shown_answer
 
     assert _shown_answer("85", "suffix", "0", 1) == "850"
     assert _shown_answer("85", "offset", "0", 1) == "86"

@@ -26,8 +26,8 @@ re-quantized weights into the same tensors through `.data.copy_` (no version bum
 the model runner's `reload_weights` to drop the cache; a weight tensor that is replaced is a new key.
 
 It changes nothing on GPU (only CPU tensors take the new path). The vLLM adapter applies it before
-starting an in-process engine, and the worker extension module applies it on import, so a multiprocess
-engine's worker is patched too. tests/test_engines_vllm_cpu_fp8.py checks the formula against vLLM's
+starting an engine on CPU and then in every worker (`vllm_worker.apply_cpu_patches`), so a worker in a
+process of its own is patched too. tests/test_engines_vllm_cpu_fp8.py checks the formula against vLLM's
 own kernel and the reload invalidation.
 """
 
