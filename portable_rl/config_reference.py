@@ -119,7 +119,7 @@ def render() -> tuple[str, list[str]]:
     missing = []
     for name, obj in owners():
         meaning = documented_parameters(obj)
-        params = [(p, d) for p, d in parameters(obj) if not (name.startswith("engines.create_engine") and p == "name")]
+        params = [(p, d) for p, d in parameters(obj) if not (name.startswith("engines.create_engine (") and p == "name")]
         summary = (inspect.getdoc(obj) or "").split("\n\n")[0].replace("\n", " ")
         lines += [f"## `{name}`", "", summary, "", "| knob | default | meaning |", "|---|---|---|"]
         for param, default in params:
