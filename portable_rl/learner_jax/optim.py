@@ -49,7 +49,20 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: 
                    schedule: str = "constant", weight_decay: float = 0.0, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0
                    ) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule); `max_grad_norm=None` disables clipping."""
+    """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule) (the schedule: module doc).
+
+    Args:
+      learning_rate: the peak learning rate, reached after the warmup.
+      warmup_steps: optimizer updates of linear warmup (the first update already uses learning_rate /
+        warmup_steps); 0: none.
+      total_steps: optimizer updates over which "cosine" decays to 0 (required by it); unused by "constant".
+      schedule: "constant" or "cosine", after the warmup.
+      weight_decay: AdamW's decoupled weight decay, on matrices only (not norm gains or biases); 0: none.
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      eps: Adam's epsilon, added to the root of the second moment.
+      max_grad_norm: clip the gradient to this global L2 norm before AdamW; None or 0: no clipping.
+    """
 
     def chain(learning_rate):
         clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []

@@ -149,25 +149,54 @@ class Footprint:
 # ------------------------------------------------------------------------------------------- the plan
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """The knobs (gin/colocate.gin sets them; GB = 1e9 bytes, per device). `decide()` → a `Budget`."""
+    """How the learner and one engine share each device (gin/colocate.gin sets it); `decide()` → a `Budget`.
+    GB = 1e9 bytes, per device.
 
-    learner_peak_gb: float                     # per-device learner peak (docs/scaling.md "Colocation")
-    model_path: str = ""                        # the engine's starting checkpoint (sizes weights and KV)
-    sleep_engine: bool = False                  # time-shared (True) or resident (False): module doc
+    Attributes:
+      learner_peak_gb: the learner's per-device peak in GB, its state included (benchmarks/learner_memory.py).
+      model_path: the engine's starting HF checkpoint, which sizes weights and KV cache; "": set
+        engine_weights_gb and learner_resident_gb.
+      sleep_engine: True: time-shared (the engine sleeps through the learner phase; XLA without
+        preallocation); False: both resident.
+      engine: the engine whose memory share is planned; only "vllm".
+      quantization: the engine's quantization; any value sizes the decoder projections at 1 byte; None: bf16.
+      max_model_len: the engine's longest sequence in tokens; its KV cache must hold one (unless
+        min_kv_cache_tokens).
+      min_kv_cache_tokens: tokens the KV cache must hold at least; None: max_model_len.
+      engine_tensor_parallel: the engine's tensor_parallel_size; divides its weights and KV cache per device.
+      learner_shards: fsdp × tensor of the learner mesh; divides the learner's state per device.
+      param_dtype: the learner's parameter dtype, to size its state (the CLI sets it from rl.PrecisionConfig).
+      master_dtype: the learner's master-copy dtype; None or equal to param_dtype: no master copy (the CLI sets
+        it from rl.PrecisionConfig).
+      device_memory_gb: memory of one device; None: nvidia-smi's for GPU 0 (no GPU: the plan sets nothing).
+      learner_fraction: resident layout: XLA's preallocated share; None: ⌈(peak + reserve/2) / device⌉ to 0.01
+        (an exported XLA_PYTHON_CLIENT_MEM_FRACTION wins).
+      engine_overhead_gb: an awake engine beyond weights and KV cache (activations, sampler, CUDA graphs).
+      engine_asleep_gb: what a sleeping engine keeps (CUDA context and graphs); time-shared layout only.
+      reserve_gb: kept free for the learner's runtime outside XLA's buffers (CUDA context, cuBLAS/cuDNN
+        workspaces) and fragmentation.
+      engine_weights_gb: the engine's weights per device, instead of the size read from model_path; None: read.
+      learner_resident_gb: the learner's state per device (params, master, AdamW moments) instead of the
+        computed size; None: computed.
+    """
+
+    learner_peak_gb: float
+    model_path: str = ""
+    sleep_engine: bool = False
     engine: str = "vllm"
-    quantization: Optional[str] = None          # the engine's online quantization (FP8: 1-byte projections)
-    max_model_len: int = 2048                   # KV cache floor: one longest sequence, unless...
-    min_kv_cache_tokens: Optional[int] = None   # ... this many tokens must fit
+    quantization: Optional[str] = None
+    max_model_len: int = 2048
+    min_kv_cache_tokens: Optional[int] = None
     engine_tensor_parallel: int = 1
-    learner_shards: int = 1                     # fsdp × tensor of the learner mesh (divides its state)
-    param_dtype: str = "float32"                # train's (the CLI reads train.param_dtype / master_dtype)
+    learner_shards: int = 1
+    param_dtype: str = "float32"
     master_dtype: Optional[str] = "float32"
-    device_memory_gb: Optional[float] = None    # None: nvidia-smi
-    learner_fraction: Optional[float] = None    # resident: XLA's share; None: from the peak
-    engine_overhead_gb: float = 3.0             # vLLM activations, sampler, CUDA graphs (awake)
-    engine_asleep_gb: float = 2.0               # a sleeping vLLM: CUDA context and graphs
-    reserve_gb: float = 2.0                     # learner's CUDA runtime and fragmentation (module doc)
-    engine_weights_gb: Optional[float] = None   # overrides of what is read from model_path
+    device_memory_gb: Optional[float] = None
+    learner_fraction: Optional[float] = None
+    engine_overhead_gb: float = 3.0
+    engine_asleep_gb: float = 2.0
+    reserve_gb: float = 2.0
+    engine_weights_gb: Optional[float] = None
     learner_resident_gb: Optional[float] = None
 
     def decide(self, environ: Mapping[str, str] = os.environ, device_memory_bytes: Optional[float] = None,
