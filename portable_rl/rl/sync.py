@@ -90,16 +90,6 @@ def probe_rows(prompts, responses, pad_id: int) -> tuple[dict, list[tuple[int, i
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, spans
 
 
-def learner_reference_fn(learner, pad_id: int, share=None):
-    """(prompts, responses) → the learner's per-token logprobs of the responses at the rollout temperature.
-    `share`: broadcasts the packed rows to the other learner processes first (`Processes.broadcast`)."""
-    def reference(prompts, responses):
-        arrays, spans = probe_rows(prompts, responses, pad_id)
-        arrays = share(arrays) if share is not None else arrays
-        return response_slices(learner.logprobs(arrays["input_ids"], arrays["attention_mask"]), spans)
-    return reference
-
-
 def follow_probe(learner, share) -> None:
     """A non-driver process's half of `run_probe`: scores the rows the driver broadcasts, and runs the
     mismatch split's forwards when the driver's message plans them (rl/mismatch_split.py)."""
