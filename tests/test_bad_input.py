@@ -188,8 +188,7 @@ def test_every_user_facing_error_is_a_user_error():
     from portable_rl.engines.ray_fleet import FleetStartTimeoutError
     from portable_rl.engines.registry import UnknownEngineError
     from portable_rl.engines.vllm_adapter import WeightUpdateError
-    from portable_rl.errors import ConfigError, UnknownNameError, UserError
-    from portable_rl.gin_utils import user_error_types
+    from portable_rl.errors import USER_ERRORS, ConfigError, UnknownNameError, UserError
     from portable_rl.learner_jax.checkpoint import CheckpointError
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.rl.batching import MicroBatchBudgetError
@@ -202,10 +201,10 @@ def test_every_user_facing_error_is_a_user_error():
                          (VocabularyMismatchError, ValueError), (NonFiniteLogprobsError, RuntimeError),
                          (MicroBatchBudgetError, ValueError), (CheckpointError, RuntimeError),
                          (ConfigError, ValueError), (GgufNotFoundError, FileNotFoundError)]:
-        assert issubclass(cls, builtin) and isinstance(cls("x"), user_error_types()), cls
+        assert issubclass(cls, builtin) and isinstance(cls("x"), USER_ERRORS), cls
     assert issubclass(UnknownEngineError, UnknownNameError) and issubclass(UnknownRewardError, UnknownNameError)
     assert str(UnknownEngineError("unknown engine 'x'")) == "unknown engine 'x'"    # no KeyError quotes
-    assert not isinstance(ValueError("a bug"), user_error_types())                   # a plain error keeps its traceback
+    assert not isinstance(ValueError("a bug"), USER_ERRORS)                         # a plain error keeps its traceback
     for kwargs in (dict(remat="dots"), dict(attention_impl="flash"), dict(max_tokens_per_micro_batch=0)):
         with pytest.raises(UserError):
             MemoryConfig(**kwargs)

@@ -241,9 +241,9 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
 
 @pytest.mark.slow
 def test_unsatisfiable_resources_fail_with_a_clear_error(ray_cluster, ckpt):
-    from portable_rl import gin_utils
+    from portable_rl.errors import USER_ERRORS
 
     with pytest.raises(TimeoutError, match=r"did not start within 3 s; each needs \{'num_gpus': 1\}") as info:
         RayEngineFleet(engine="vllm", model_path=ckpt, resources_per_engine={"num_gpus": 1}, start_timeout_s=3)
     # A user error: the CLI prints this one line and exits 1 instead of a traceback.
-    assert isinstance(info.value, gin_utils.user_error_types())
+    assert isinstance(info.value, USER_ERRORS)
