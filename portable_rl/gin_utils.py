@@ -247,11 +247,6 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
         raise
 
 
-def user_error_types() -> tuple[type, ...]:
-    """The exception classes the entry points print as one line (`portable_rl.errors.USER_ERRORS`)."""
-    return USER_ERRORS
-
-
 def one_line(e: BaseException) -> str:
     """The exception's message on one line, without the call chain gin appends to it."""
     text = str(e).split("\n  In call to configurable")[0]

@@ -189,8 +189,7 @@ def test_every_user_facing_error_is_a_user_error():
     from portable_rl.engines.ray_fleet import FleetStartTimeoutError
     from portable_rl.engines.registry import UnknownEngineError
     from portable_rl.engines.vllm_adapter import WeightUpdateError
-    from portable_rl.errors import ConfigError, UnknownNameError, UserError
-    from portable_rl.gin_utils import user_error_types
+    from portable_rl.errors import USER_ERRORS, ConfigError, UnknownNameError, UserError
     from portable_rl.learner_jax.checkpoint import CheckpointError
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.rl.batching import MicroBatchBudgetError
@@ -203,10 +202,10 @@ def test_every_user_facing_error_is_a_user_error():
                          (VocabularyMismatchError, ValueError), (NonFiniteLogprobsError, RuntimeError),
                          (MicroBatchBudgetError, ValueError), (CheckpointError, RuntimeError),
                          (ConfigError, ValueError), (GgufNotFoundError, FileNotFoundError)]:
-        assert issubclass(cls, builtin) and isinstance(cls("x"), user_error_types()), cls
+        assert issubclass(cls, builtin) and isinstance(cls("x"), USER_ERRORS), cls
     assert issubclass(UnknownEngineError, UnknownNameError) and issubclass(UnknownRewardError, UnknownNameError)
     assert str(UnknownEngineError("unknown engine 'x'")) == "unknown engine 'x'"    # no KeyError quotes
-    assert not isinstance(ValueError("a bug"), user_error_types())                   # a plain error keeps its traceback
+    assert not isinstance(ValueError("a bug"), USER_ERRORS)                         # a plain error keeps its traceback
     for kwargs in (dict(remat="dots"), dict(attention_impl="flash"), dict(max_tokens_per_micro_batch=0)):
         with pytest.raises(UserError):
             MemoryConfig(**kwargs)
@@ -390,7 +389,7 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     batch, _ = build_batch(cfg, groups, codec.pad_id)
     assert all(np.isfinite(v).all() for v in batch.values())
     # The same batch from the clean rollouts with exactly those tokens masked by hand: what masking must equal.
-    clean_groups = [dataclasses.replace(g, rollouts=clean[k * cfg.n_samples:(k + 1) * cfg.n_samples])
+    clean_groups = [dataclasses.replace(g, rollouts=clean[k * cfg.generation.n_samples:(k + 1) * cfg.generation.n_samples])
                     for k, g in enumerate(groups)]
     expected, _ = build_batch(cfg, clean_groups, codec.pad_id)
     for i, t in bad:
@@ -417,4 +416,4 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     with pytest.raises(NonFiniteLogprobsError, match=rf"returned {len(bad)} non-finite logprobs \(.*% of the step's "
                                                      rf"response tokens\) > max_nonfinite_fraction=0.01: check the "
                                                      rf"engine's dtype / quantization"):
-        check_nonfinite_fraction(stats, max_fraction=cfg.max_nonfinite_fraction)
+        check_nonfinite_fraction(stats, max_fraction=cfg.safety.max_nonfinite_fraction)

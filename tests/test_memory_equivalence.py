@@ -37,14 +37,14 @@ def setup(tmp_path_factory):
                      clip_eps_low=0.2, clip_eps_high=0.28, loss_aggregation="token-mean", temperature=1.0)
     rng = np.random.default_rng(0)
     groups = []
-    for example in ArithmeticTask().train_batch(0, 0, cfg.prompt_batch_size):
+    for example in ArithmeticTask().train_batch(0, 0, cfg.data.prompt_batch_size):
         prompt = codec.encode_prompt(example.prompt)
         rollouts = []
-        for _ in range(cfg.n_samples):  # 1-8 response tokens, logprobs near a vocab-128 random model's
-            response = rng.integers(3, 98, rng.integers(1, cfg.max_response_tokens + 1)).tolist()
+        for _ in range(cfg.generation.n_samples):  # 1-8 response tokens, logprobs near a vocab-128 random model's
+            response = rng.integers(3, 98, rng.integers(1, cfg.generation.max_response_tokens + 1)).tolist()
             logps = (-np.log(128) + 0.3 * rng.standard_normal(len(response))).tolist()
             rollouts.append(Rollout(0, prompt, response, logps, "length"))
-        groups.append(ScoredGroup(example, rollouts, rng.integers(0, 2, cfg.n_samples).astype(np.float32)))
+        groups.append(ScoredGroup(example, rollouts, rng.integers(0, 2, cfg.generation.n_samples).astype(np.float32)))
     batch, _ = build_batch(cfg, groups, codec.pad_id)
     return path, cfg, batch
 
@@ -53,7 +53,9 @@ _STEPS = {}
 
 
 def one_step(path, cfg, batch, knobs):
-    """(PreparedBatch, update metrics) of one learner step with `knobs`, computed once per knob set."""
+    """(PreparedBatch, update metrics, old logprobs [N, T]) of one learner step with `knobs`, computed once per
+    knob set. The old logprobs: `Learner.old_logprobs` before the step (the PreparedBatch's are 0 on the first
+    mini-batch, whose update computes them: LossConfig.old_logprobs_from_update)."""
     key = (str(path), tuple(sorted(knobs.items())))
     if key not in _STEPS:
         _STEPS[key] = _one_step(path, cfg, batch, knobs)
@@ -77,15 +79,16 @@ def _one_step(path, cfg, batch, knobs):
                         weight_decay=0.0, max_grad_norm=1.0)
     learner = Learner(model, nnx.Optimizer(model, tx, wrt=nnx.Param), cfg,
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0), memory=memory)
+    old = learner.old_logprobs(batch)
     prepared = learner.prepare(batch)
-    return prepared, learner.update(prepared)
+    return prepared, learner.update(prepared), old
 
 
 @pytest.mark.slow  # two learners of the default tiny model compiled (~1 min on 2 busy cores)
 def test_memory_knobs_give_the_same_step(setup):
     path, cfg, batch = setup
-    ref_prepared, ref = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, lean = one_step(path, cfg, batch, LEAN)
+    ref_prepared, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, lean, lean_old = one_step(path, cfg, batch, LEAN)
     assert ref_prepared.metrics["batch/micro_batches"] == 2 < lean_prepared.metrics["batch/micro_batches"]
     assert lean_prepared.metrics["batch/padding_fraction"] < ref_prepared.metrics["batch/padding_fraction"]
     assert ref["train/grad_norm"] > 0 and ref["train/loss"] != 0
@@ -96,7 +99,7 @@ def test_memory_knobs_give_the_same_step(setup):
     for k, want in ref_prepared.metrics.items():
         if k.startswith("tis/"):
             assert lean_prepared.metrics[k] == pytest.approx(want, rel=1e-4, abs=1e-6), k
-    np.testing.assert_allclose(lean_prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lean_old, ref_old, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # two more learners of the default tiny model compiled (the first test's two are reused)
@@ -105,11 +108,11 @@ def test_shared_prompts_give_the_same_step(setup):
     sequence per row, on fewer tokens: with 64-token micro-batches (groups split into units that fit)
     and in one call per mini-batch (dense attention)."""
     path, cfg, batch = setup
-    ref_prepared, ref = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, _ = one_step(path, cfg, batch, LEAN)
+    _, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, _, _ = one_step(path, cfg, batch, LEAN)
     for knobs in (dict(LEAN, share_prompts=True), dict(REFERENCE, pack_sequences=True, share_prompts=True)):
-        prepared, got = one_step(path, cfg, batch, knobs)
+        prepared, got, old = one_step(path, cfg, batch, knobs)
         assert prepared.metrics["batch/learner_tokens"] < 0.8 * lean_prepared.metrics["batch/learner_tokens"], knobs
         for k, want in ref.items():
             assert got[k] == pytest.approx(want, rel=1e-4, abs=1e-6), (k, knobs)
-        np.testing.assert_allclose(prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(old, ref_old, rtol=1e-5, atol=1e-5)

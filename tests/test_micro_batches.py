@@ -105,7 +105,7 @@ def test_sequence_over_the_token_budget_is_a_one_line_error(batch):
     assert isinstance(e.value, ValueError)
 
 
-def test_correct_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batch):
+def test_prepare_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batch):
     keys = {k: v.copy() for k, v in batch.items()}
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param),

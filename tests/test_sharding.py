@@ -131,9 +131,10 @@ SCRIPT = textwrap.dedent(r'''
         batch = make_batch()
         if mesh:  # 5 rows: padded to a multiple of the batch shards inside Learner.logprobs
             out["probe_logprobs"] = learner.logprobs(batch["input_ids"][:5], batch["attention_mask"][:5])
+        # pre-update, on the learner's micro-batches (prepare defers ALG's one mini-batch's to its update)
+        out["old_logprobs"] = learner.old_logprobs(batch)
         prepared = learner.prepare(batch)
         out["tis"] = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
-        out["old_logprobs"] = prepared.old_logprobs
         out["metrics"] = learner.update(prepared)
         out["same_sharding_after"] = model.layers[0].mlp.gate_proj.kernel[...].sharding.is_equivalent_to(before, 2)
         out["params_after"] = {"/".join(map(str, p)): np.asarray(v[...])

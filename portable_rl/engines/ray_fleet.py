@@ -266,12 +266,6 @@ class RayEngineFleet(EngineAdapter):
     def num_engines(self) -> int:
         return len(self._actors)
 
-    def engine_pids(self) -> list[int]:
-        """The OS process id of every engine actor (for monitoring, and for the fault tests)."""
-        import ray
-
-        return ray.get([a.pid.remote() for a in self._require_actors()])
-
     # ----------------------------------------------------------------------------------------- rollouts
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         actors = self._require_actors()
@@ -288,13 +282,6 @@ class RayEngineFleet(EngineAdapter):
                 r.prompt_index += start  # shard-local → batch index
                 rollouts.append(r)
         return rollouts
-
-    def generate_on(self, engine_index: int, prompt_token_ids: Sequence[Sequence[int]],
-                    sampling: SamplingConfig) -> list[Rollout]:
-        """The whole batch on one engine (no sharding): for probes and engine-vs-engine checks."""
-        args = (check_prompts(prompt_token_ids), sampling)
-        return self._get(engine_index, self._require_actors()[engine_index].generate.remote(*args),
-                         "generate", *args)
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
