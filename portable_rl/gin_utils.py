@@ -90,7 +90,7 @@ def register_library() -> None:
     from portable_rl.engines import registry
     from portable_rl import tis
     from portable_rl.learner_jax.memory import MemoryConfig
-    from portable_rl.rl import config as rl_config, dapo, diagnostics
+    from portable_rl.rl import config as rl_config, dapo
 
     for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask):
         register_configurable(cls, module="tasks")
@@ -103,7 +103,7 @@ def register_library() -> None:
         correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
         precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
         memory=register_configurable(MemoryConfig, module="learner"),
-        diagnostics=register_configurable(diagnostics.DiagnosticsConfig, module="rl"))
+        diagnostics=register_configurable(rl_config.DiagnosticsConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")

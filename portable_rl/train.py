@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.rl.config import PrecisionConfig, RunConfig
 from portable_rl.rl.dapo import DapoConfig
-from portable_rl.rl.diagnostics import DiagnosticsConfig
+from portable_rl.rl.config import DiagnosticsConfig
 from portable_rl.tis.config import RolloutCorrectionConfig
 
 
@@ -114,14 +114,14 @@ def build_run(*, run: RunConfig, algorithm: DapoConfig, correction: RolloutCorre
 
         survival = UpdateSurvival(model_config, channel_stride=diagnostics.update_survival_stride)
         survival.reference(learner_weights(model, optimizer))
+    codec = TextCodec(model_path, chat_template=run.chat_template)
     ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=run.keep_checkpoints)
     start_step = 0
     if ckpts.latest_step() is not None:
         start_step = ckpts.restore(model, optimizer).step
         print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
-    return Run(config=run, algorithm=algorithm, procs=procs, codec=TextCodec(model_path, chat_template=run.chat_template),
-               model=model, model_config=model_config, optimizer=optimizer, learner=learner, ckpts=ckpts,
-               start_step=start_step, survival=survival)
+    return Run(config=run, algorithm=algorithm, procs=procs, codec=codec, model=model, model_config=model_config,
+               optimizer=optimizer, learner=learner, ckpts=ckpts, start_step=start_step, survival=survival)
 
 
 def rl_step(step: int, run: Run, side, diagnostics: list, timeshare, *, prefetch_next: bool) -> dict:
@@ -196,12 +196,12 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
         from portable_rl.rl.colocation import prepare
 
         budget = prepare(memory_plan)
+    held_out = list(task.eval_examples())[:run.eval_size]
+    reward_fn = get_reward(task.reward)
     state = build_run(run=run, algorithm=algorithm, correction=correction, optimizer_factory=optimizer_factory,
                       precision=precision, memory=memory, diagnostics=diagnostics, mesh=mesh, budget=budget,
                       warmstart_fn=warmstart_fn)
     procs, codec, gen = state.procs, state.codec, algorithm.generation
-    held_out = list(task.eval_examples())[:run.eval_size]
-    reward_fn = get_reward(task.reward)
     timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=run.async_rollouts)
     # Installed before the engine starts: a SIGTERM from here on stops the run after its next complete step.
     with StopRequest() as stop:

@@ -135,3 +135,14 @@ def test_importing_the_package_writes_no_environment_and_patches_nothing():
             "from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8; "
             "assert not (vllm_cpu_fp8._PATCHED or vllm_cpu_int8._PATCHED), 'a vLLM patch was applied on import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_entry_points_import_no_torch_before_their_cli_sets_openmp():
+    """The CLIs set OMP_WAIT_POLICY before anything loads torch's OpenMP runtime (read once, at load): importing
+    an entry point module must not import torch."""
+    import subprocess
+    import sys
+
+    for module in ("portable_rl.train", "portable_rl.evaluate", "portable_rl.warmstart"):
+        code = f"import sys, {module}; assert 'torch' not in sys.modules, '{module} imports torch at import'"
+        subprocess.run([sys.executable, "-c", code], check=True)

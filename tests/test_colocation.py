@@ -76,7 +76,7 @@ def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True):
     from portable_rl.rl import learner as learner_module
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import RunConfig
-    from portable_rl.rl.diagnostics import DiagnosticsConfig
+    from portable_rl.rl.config import DiagnosticsConfig
     from portable_rl.testing.configs import dapo_config
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.train import train

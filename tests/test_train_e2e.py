@@ -37,7 +37,7 @@ def run_dir(root):
 
 def test_run_directory_contents(run_dir):
     config = (run_dir / "config.gin").read_text()
-    assert "rl.RunConfig.train_steps = %TRAIN_STEPS" in config and f"TRAIN_STEPS = {STEPS}" in config
+    assert "RunConfig.train_steps = %TRAIN_STEPS" in config and f"TRAIN_STEPS = {STEPS}" in config
     assert "'fp8_per_channel'" in config and (run_dir / "operative_config.gin").exists()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1))

@@ -3,6 +3,7 @@ fields (`rl.GenerationConfig.n_samples = 8`); `dapo.DapoConfig` holds the five t
 
     RunConfig          the run: where it writes, how long, evaluation, checkpoints, async rollouts
     PrecisionConfig    the learner's dtypes and the push's SmoothQuant
+    DiagnosticsConfig  what is measured after each push (rl/diagnostics.py)
     GenerationConfig   what the engine samples per prompt
     DataConfig         how prompts become a step's groups
     ShapeConfig        the padded shapes the learner compiles for
@@ -24,6 +25,7 @@ from portable_rl.errors import ConfigError
 ADVANTAGES = ("grpo", "drgrpo")
 POLICY_LOSS_MODES = ("decoupled", "bypass")
 DTYPES = ("float32", "bfloat16", "float16")
+DIAGNOSTICS = ("update_survival", "probe", "mismatch_split")  # rl/diagnostics.py, in the order the step runs them
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -236,3 +238,33 @@ class SafetyConfig:
     def __post_init__(self):
         if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
             raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiagnosticsConfig:
+    """The diagnostics run after every push (rl/diagnostics.py), each on unless named in `disabled`.
+
+    Attributes:
+      disabled: names of diagnostics not to run: any of 'update_survival', 'probe', 'mismatch_split'
+        (disabling the probe disables the split too).
+      probe_prompts: held-out prompts the probe samples after every push.
+      update_survival_stride: every k-th output channel of each projection is tracked by update_survival.
+    """
+    disabled: tuple[str, ...] = ()
+    probe_prompts: int = 4
+    update_survival_stride: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "disabled", tuple(self.disabled))  # gin gives lists
+        unknown = [n for n in self.disabled if n not in DIAGNOSTICS]
+        if unknown:
+            raise ConfigError(f"rl.DiagnosticsConfig.disabled names {unknown}; the diagnostics are {list(DIAGNOSTICS)}")
+        if self.probe_prompts < 1:
+            raise ConfigError(f"probe_prompts={self.probe_prompts} must be >= 1 (to run no probe: "
+                              "rl.DiagnosticsConfig.disabled = ['probe'])")
+        if self.update_survival_stride < 1:
+            raise ConfigError(f"update_survival_stride={self.update_survival_stride} must be >= 1 (to track "
+                              "nothing: rl.DiagnosticsConfig.disabled = ['update_survival'])")
+
+    def enabled(self, name: str) -> bool:
+        return name not in self.disabled and not (name == "mismatch_split" and "probe" in self.disabled)

@@ -10,7 +10,7 @@
 
 A diagnostic has a `name` and `after_push() -> metrics`; the step (train.rl_step) calls each in this order after
 the push and times it as time/<name>. All three are on by default; `DiagnosticsConfig.disabled` turns any of
-them off by name (the split needs the probe). Several JAX processes (rl/multihost.py): every process builds the
+them off by name (`rl.DiagnosticsConfig`, rl/config.py; the split needs the probe). Several JAX processes (rl/multihost.py): every process builds the
 same diagnostics and calls them in the same order, because the learner's forwards and the gathers are
 collectives; only the driver has the engine, and it broadcasts the probe's rows and the split's plan.
 """
@@ -21,44 +21,13 @@ import dataclasses
 from typing import Protocol
 
 from portable_rl.engines import probe as probe_lib
-from portable_rl.errors import ConfigError
 from portable_rl.rl.batching import pack_rollouts
+from portable_rl.rl.config import DIAGNOSTICS, DiagnosticsConfig
 from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, response_slices
 from portable_rl.rl.multihost import Processes
 from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
 
-NAMES = ("update_survival", "probe", "mismatch_split")
 PROBE_SEED = 1234
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DiagnosticsConfig:
-    """The diagnostics run after every push (module doc), each on unless named in `disabled`.
-
-    Attributes:
-      disabled: names of diagnostics not to run: any of 'update_survival', 'probe', 'mismatch_split'
-        (disabling the probe disables the split too).
-      probe_prompts: held-out prompts the probe samples after every push.
-      update_survival_stride: every k-th output channel of each projection is tracked by update_survival.
-    """
-    disabled: tuple[str, ...] = ()
-    probe_prompts: int = 4
-    update_survival_stride: int = 16
-
-    def __post_init__(self):
-        object.__setattr__(self, "disabled", tuple(self.disabled))  # gin gives lists
-        unknown = [n for n in self.disabled if n not in NAMES]
-        if unknown:
-            raise ConfigError(f"rl.DiagnosticsConfig.disabled names {unknown}; the diagnostics are {list(NAMES)}")
-        if self.probe_prompts < 1:
-            raise ConfigError(f"probe_prompts={self.probe_prompts} must be >= 1 (to run no probe: "
-                              "rl.DiagnosticsConfig.disabled = ['probe'])")
-        if self.update_survival_stride < 1:
-            raise ConfigError(f"update_survival_stride={self.update_survival_stride} must be >= 1 (to track "
-                              "nothing: rl.DiagnosticsConfig.disabled = ['update_survival'])")
-
-    def enabled(self, name: str) -> bool:
-        return name not in self.disabled and not (name == "mismatch_split" and "probe" in self.disabled)
 
 
 class Diagnostic(Protocol):
