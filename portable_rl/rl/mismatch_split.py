@@ -33,6 +33,10 @@ Q, per the engine's `quantization` (engines/base.py):
     "int8_per_channel"   INT8 W8A8's per-output-channel int8 weights     against the engine's own values),
                          after the push's SmoothQuant factors when it carries them (`convert.smoothing`)
     anything else        not modelled: no quantization / kernels parts (a warning, once); probe/kl as before
+The quantized copy is `served_view.serve_as_engine`'s, the served view the learner trains on with
+`rl.PrecisionConfig.learner_precision = 'engine'`; such a learner's own forward already is q, so the split runs no
+extra forward for it: q = a, mismatch/quantization = 0 and mismatch/kernels = probe/kl exactly
+(tests/test_learner_precision.py checks that its logprobs equal `quantized_learner`'s bit for bit).
 
 Staleness (async rollouts, rl/async_rollout.py: step k+1's batch was sampled by the engine serving θ_{k−1}
 while the learner holds θ_k). The previous probe's rows y ~ π_engine(θ_{k−1}) and their learner logprobs
@@ -143,6 +147,8 @@ def extra_forwards(learner, message: dict) -> dict:
     out = {}
     if plan is None:
         return out
+    if learner.serves_engine_weights:  # its own forward is the quantized one (q = a): no extra forward
+        plan = dict(plan, quantizer=None)
     rows = plan["previous_rows"]
     if plan["quantizer"] is not None and rows is not None:  # async: both forwards in one call
         probe_rows = len(message["input_ids"])
