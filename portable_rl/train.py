@@ -172,7 +172,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
       algorithm: DAPO / GRPO settings (`rl.DapoConfig`).
       correction: the rollout correction (TIS and masks; `tis.RolloutCorrectionConfig`); its default: none.
       optimizer_factory: builds the optax optimizer; None: `optim.make_optimizer()`.
-      precision: the learner's dtypes and the push's SmoothQuant (`rl.PrecisionConfig`).
+      precision: the learner's dtypes, the push's SmoothQuant, the learner's served view (`rl.PrecisionConfig`).
       memory: the learner's memory strategy; every setting computes the same update (`learner.MemoryConfig`).
       diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
       mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
@@ -213,6 +213,8 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
             serving = Serving(quantization, smoothquant_for_run(
                 precision.smoothquant_alpha, model=state.model, codec=codec, task=task, run_dir=run.run_dir,
                 engine_quantization=quantization, procs=procs))
+            if precision.learner_precision == "engine":  # every process: its forwards use the served weights
+                state.learner.serve_weights_as(serving.quantization, serving.smoothing)
         except BaseException:
             if engine is not None:
                 engine.close()

@@ -26,6 +26,7 @@ ADVANTAGES = ("grpo", "drgrpo")
 POLICY_LOSS_MODES = ("decoupled", "bypass")
 DTYPES = ("float32", "bfloat16", "float16")
 DIAGNOSTICS = ("update_survival", "probe", "mismatch_split")  # rl/diagnostics.py, in the order the step runs them
+LEARNER_PRECISIONS = ("master", "engine")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +71,8 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
-    """The learner's dtypes, and what the weight push does for an INT8 W8A8 engine.
+    """The learner's dtypes, what the weight push does for an INT8 W8A8 engine, and whose weights the learner's
+    forwards use (its own, or the engine's served ones).
 
     Attributes:
       param_dtype: dtype of the model's parameters (and of the weights pushed before the bf16 cast).
@@ -79,11 +81,15 @@ class PrecisionConfig:
       compute_dtype: dtype of the learner's matmuls and activations.
       smoothquant_alpha: with an INT8 W8A8 engine, SmoothQuant factors calibrated once on the first training
         prompts and applied to every push (0.5 is SmoothQuant's default); None: off.
+      learner_precision: 'master': the learner's forwards (old logprobs, PPO ratio, loss) use its own weights;
+        'engine': the weights the engine serves (its weight quantizer on the projections, straight-through
+        gradients to the masters; rl/served_view.py), for fp8_per_channel, int8_per_channel or unquantized engines.
     """
     param_dtype: str = "float32"
     master_dtype: Optional[str] = "float32"
     compute_dtype: str = "bfloat16"
     smoothquant_alpha: Optional[float] = None
+    learner_precision: str = "master"
 
     def __post_init__(self):
         for name in ("param_dtype", "master_dtype", "compute_dtype"):
@@ -92,6 +98,11 @@ class PrecisionConfig:
                 raise ConfigError(f"{name}={value!r}; use one of {DTYPES}")
         if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ConfigError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1] (or None: off)")
+        if self.learner_precision not in LEARNER_PRECISIONS:
+            raise ConfigError(f"learner_precision={self.learner_precision!r}; use one of {LEARNER_PRECISIONS}")
+        if self.learner_precision == "engine" and self.smoothquant_alpha is not None:
+            raise ConfigError(f"learner_precision='engine' does not emulate SmoothQuant (smoothquant_alpha="
+                              f"{self.smoothquant_alpha}); set rl.PrecisionConfig.smoothquant_alpha = None")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

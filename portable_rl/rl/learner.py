@@ -57,6 +57,11 @@ those rows into a new PreparedBatch, with the `tis/*` metrics of the whole view:
 when it recomputes (tests/test_learner_step.py). `update` trains the later ppo_epochs passes on it and
 returns its `tis/*` metrics; the PreparedBatch it was given is not modified.
 
+Served weights (`rl.PrecisionConfig.learner_precision = 'engine'`, `serve_weights_as(quantization)`): every forward
+above (old logprobs, the deferred mini-batch's, the loss) runs on `served_view.served_view(model, quantization)`, the
+projections as the engine serves them, with straight-through gradients to the masters in the loss. The default
+('master') jits exactly the functions it did before.
+
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
 every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
 mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arrays.
@@ -80,10 +85,12 @@ from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
 from portable_rl.learner_jax.memory import MemoryConfig
+from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
 from portable_rl.learner_jax.sharding import batch_shards, pad_rows, shard_batch, shard_model_and_optimizer, to_host
 from portable_rl.learner_jax.step import make_apply_step, make_grad_step, make_train_step, zero_grads
 from portable_rl.rl import batching
 from portable_rl.rl.batching import MicroBatchBudgetError
+from portable_rl.rl.served_view import served_view
 
 _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
 _SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pack_rollouts), else absent
@@ -112,15 +119,18 @@ def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
                              sampling_support=batch.get(_SUPPORT))
 
 
-def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None):
+def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, model_view=None):
     """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
     and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings.
+    `model_view(model)`: the model the forward runs (the served view, `Learner.serve_weights_as`); None: `model`.
 
     A micro-batch of the deferred mini-batch (no `old_logprobs`; module doc) takes its old logprobs from this
     forward pass, stop-gradient, and its TIS weights from them with `correction` (token-local); both are
     returned among the metrics as [R, L] arrays (`DEFERRED_KEYS`). The branch is on the batch's keys, so it is
     decided when jit traces: one jitted step serves both kinds of micro-batch."""
     def loss_fn(model, batch):
+        if model_view is not None:
+            model = model_view(model)
         new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
         deferred = {}
         if "old_logprobs" not in batch:
@@ -150,14 +160,25 @@ DEFERRED_KEYS = ("old_logprobs", "tis_weights")  # what the deferred mini-batch'
 _LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode")
 
 
+MASTER = "master"  # `_jitted`'s `served`: the learner's own weights (rl.PrecisionConfig.learner_precision)
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction):
+def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction, served=MASTER):
     """The learner's jitted functions, shared by learners whose loss settings agree (the aggregation is
-    host-side, in the token weights), so a second learner of the same model reuses the compilations."""
-    loss_fn = make_loss_fn(settings, temperature, chunk_tokens, correction)
+    host-side, in the token weights), so a second learner of the same model reuses the compilations.
+    `served`: MASTER, or the engine's `quantization` whose served weights the forwards use (`serve_weights_as`)."""
+    if served == MASTER:
+        view = ste_view = None
+    else:
+        view = functools.partial(served_view, quantization=served)
+        ste_view = functools.partial(served_view, quantization=served, straight_through=True)
+    on = (lambda m: m) if view is None else view
+    loss_fn = make_loss_fn(settings, temperature, chunk_tokens, correction, model_view=ste_view)
     return dict(
-        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature, chunk_tokens=chunk_tokens)[0]),
-        row_logprobs=nnx.jit(lambda m, b: row_logprobs(m, b, temperature, chunk_tokens)[0]),
+        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(on(m), ids, am, temperature,
+                                                              chunk_tokens=chunk_tokens)[0]),
+        row_logprobs=nnx.jit(lambda m, b: row_logprobs(on(m), b, temperature, chunk_tokens)[0]),
         train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
 
 
@@ -321,15 +342,38 @@ class Learner:
             if unpacked_one_call and cfg.rows_per_minibatch % self.shards:
                 raise ConfigError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
                                   f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
-        loss = cfg.loss
-        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
-                      cfg.generation.temperature, self.memory.logprob_chunk_tokens, correction)
-        self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
-        self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
+        self.served = MASTER  # the weights its forwards use (`serve_weights_as`)
+        self._use_jitted()
         self._correct = _correction_fn(correction)
         # the first mini-batch's old logprobs from its own update (module doc): decoupled, token-local correction
         self.defers_first_mini_batch = (not self.bypass and cfg.loss.old_logprobs_from_update
                                         and correction.token_local)
+
+    def _use_jitted(self):
+        loss = self.cfg.loss
+        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
+                      self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served)
+        self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
+        self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
+
+    @property
+    def serves_engine_weights(self) -> bool:
+        return self.served != MASTER
+
+    def serve_weights_as(self, quantization: str | None, smoothing=None) -> None:
+        """From now on, old logprobs, the PPO ratio and the loss (and `logprobs`) use the weights an engine
+        reporting `quantization` serves: its weight quantizer on the master projections inside the forward,
+        straight-through gradients to the masters (rl/served_view.py; `rl.PrecisionConfig.learner_precision =
+        'engine'`). train() calls it once the engine's quantization is known. `smoothing`: refused (not emulated)."""
+        if quantization not in SERVED_WEIGHTS:
+            supported = ", ".join(map(repr, SERVED_WEIGHTS))
+            raise ConfigError(f"learner_precision='engine': the engine's quantization {quantization!r} has no JAX "
+                              f"quantizer (supported: {supported}); use rl.PrecisionConfig.learner_precision = 'master'")
+        if smoothing is not None:
+            raise ConfigError("learner_precision='engine' does not emulate SmoothQuant's rescaling; set "
+                              "rl.PrecisionConfig.smoothquant_alpha = None or learner_precision = 'master'")
+        self.served = quantization
+        self._use_jitted()
 
     # ------------------------------------------------------------------------------ layout
     def micro_layouts(self, batch: dict) -> list[list[batching.Layout]]:
