@@ -52,6 +52,10 @@ known before the forward. The update writes those old logprobs and weights back 
 (for the later ppo_epochs passes and the view) and returns the `tis/*` metrics, computed on the whole view
 as `prepare` would (tests/test_learner_step.py: the same update and metrics as recomputing).
 
+`gradient(prepared)` runs the same micro-batch gradient steps as `update` (the on-policy one included) and
+returns their flattened sum, averaged over the mini-batches, without touching the optimizer or the weights:
+the policy-gradient estimate of one batch at the current policy (experiments/gradient_fidelity.py).
+
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
 every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
 mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arrays.
@@ -379,14 +383,17 @@ class Learner:
         prepared = self.prepare(batch)
         return {**prepared.metrics, **self.update(prepared)}
 
-    def update(self, prepared: PreparedBatch) -> dict:
-        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates."""
+    def _check_fresh(self, prepared: PreparedBatch, what: str) -> None:
         if not isinstance(prepared, PreparedBatch):
-            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.prepare(batch)")
+            raise TypeError(f"Learner.{what} takes the PreparedBatch returned by Learner.prepare(batch)")
         if prepared.policy_version is not None and prepared.policy_version != self.updates:
             raise ValueError(f"this PreparedBatch's old logprobs are of the policy before update "
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
                              "update(s) ran since; prepare it again right before updating (Learner.step does both)")
+
+    def update(self, prepared: PreparedBatch) -> dict:
+        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates."""
+        self._check_fresh(prepared, "update")
         self.updates += 1
         history, tis_metrics = [], {}
         for epoch in range(self.cfg.loss.ppo_epochs):
@@ -415,6 +422,38 @@ class Learner:
         if not history:
             return tis_metrics
         return {**tis_metrics, **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}}
+
+    def gradient(self, prepared: PreparedBatch) -> tuple[np.ndarray, dict]:
+        """The policy-loss gradient at the current weights, with no optimizer update: per non-empty mini-batch
+        the sum over its micro-batches of ∇loss (`update`'s first pass computes exactly these, the on-policy
+        mini-batch with its own step), then the mean over mini-batches, flattened in `jax.tree.leaves` order
+        of the model's `nnx.Param`s → (float32 [num_params], the `tis/*` an on-policy mini-batch computed
+        + `train/*` loss metrics). The weights, the optimizer and `updates` are left as they are, so the same
+        PreparedBatch may go on to `update`."""
+        self._check_fresh(prepared, "gradient")
+        total, minis, parts_all, tis_metrics = None, 0, [], {}
+        for index, micro in enumerate(prepared.micro_batches):
+            if not any(mb["response_mask"].any() for mb in micro):
+                continue
+            on_policy = index == prepared.on_policy
+            grad_step = self._on_policy_steps[1] if on_policy else self._grad_step
+            with self._on_mesh():
+                grads, parts = zero_grads(self.model), []
+                for mb in micro:
+                    grads, m = grad_step(self.model, self._device(mb), grads)
+                    parts.append(m)
+            if on_policy:
+                tis_metrics = self._fill_on_policy(prepared, index, parts)
+            flat = np.concatenate([np.asarray(jax.device_get(g), np.float32).ravel() for g in jax.tree.leaves(grads)])
+            total = flat if total is None else total + flat
+            minis += 1
+            parts_all += [{k: float(v) for k, v in p.items()} for p in jax.device_get(parts)]
+        if total is None:
+            size = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+            return np.zeros(size, np.float32), tis_metrics
+        total /= minis
+        metrics = {f"train/{k}": v for k, v in combine_metrics(parts_all).items()}
+        return total, {**tis_metrics, **metrics, "train/grad_norm": float(np.linalg.norm(total))}
 
     def _fill_on_policy(self, prepared: PreparedBatch, index: int, parts: list[dict]) -> dict:
         """Writes the old logprobs and TIS weights an on-policy update computed (popped from `parts`) into
