@@ -63,6 +63,11 @@ E <Sx, Sy> = <x, y> (a sparse Johnson-Lindenstrauss projection; error ~ ‖x‖�
 shows the sketch's own value). Memory: the reference's full gradient plus one arm's at a time (2 × D floats)
 and P × k floats per estimate.
 
+Resuming: every draw (rollouts, rewards) and every estimate (per-prompt sketches, n, its row; the reference's
+full gradient too) is written to <out>/cache as soon as it exists; the same command again reuses them and
+does only what is missing (a SmolLM2 measurement takes hours). A cache made with other settings (checkpoint
+files, task, sampling, P, N, seeds, sketch, aggregation) is refused in one line.
+
 Output: <out>/results.json, a markdown table on stdout, and with --plot a figure (cos with its CI per arm
 and correction against the floor's band; the excess with its CI).
 """
@@ -370,12 +375,84 @@ def estimate(learner, cfg, groups, pad_id: int, sketch, correction):
             {f"tis/{k}": float(v) for k, v in tis_metrics.items()}, {"train/loss_sum": float(sum(losses))})
 
 
+# ------------------------------------------------------------------------------------------ the cache
+def fingerprint(setting: Setting, checkpoint: str, prompts: int, samples: int, seeds, sketch_dim: int,
+                sketch_seed: int, aggregation: str) -> dict:
+    """Everything a cached draw or estimate depends on (module doc, "Resuming"), as plain JSON values."""
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in Path(checkpoint).glob("*.safetensors"))
+    return {"checkpoint": str(checkpoint), "weights": [list(w) for w in weights], "task": repr(setting.task()),
+            "chat_template": setting.chat_template, "temperature": setting.temperature,
+            "max_tokens": setting.max_tokens, "max_model_len": setting.max_model_len,
+            "engine_init_kwargs": setting.engine_init_kwargs, "loss": setting.loss,
+            "compute_dtype": setting.compute_dtype, "prompts": prompts, "samples": samples, "seeds": list(seeds),
+            "sketch_dim": sketch_dim, "sketch_seed": sketch_seed, "aggregation": aggregation}
+
+
+class Cache:
+    """<out>/cache: each draw's rollouts and rewards (JSON), each estimate's per-prompt sketches, n and row (npz),
+    the reference's full gradient (npy), all written atomically, so a stopped measurement goes on where it
+    stopped. A cache made with other settings (`fingerprint`) is refused, not mixed in."""
+
+    def __init__(self, root: Path, key: dict):
+        self.root = root / "cache"
+        self.root.mkdir(parents=True, exist_ok=True)
+        stamp = self.root / "fingerprint.json"
+        text = json.dumps(key, sort_keys=True, indent=1)
+        if stamp.exists() and stamp.read_text() != text:
+            old = json.loads(stamp.read_text())
+            diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+            raise BadInput(f"{self.root} holds a measurement with other settings ({', '.join(diff)}); pass another "
+                           "--out, or delete that directory to start over")
+        self._write(stamp, lambda f: f.write(text.encode()))
+
+    def _write(self, path: Path, write) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+
+    def load_draw(self, arm: str, examples):
+        from portable_rl.engines.base import Rollout
+        from portable_rl.rl.rollout import ScoredGroup
+
+        path = self.root / f"draw_{arm}.json"
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        groups = [ScoredGroup(examples[p], [Rollout(**r) for r in rollouts], np.asarray(rewards, np.float32))
+                  for p, (rollouts, rewards) in enumerate(zip(data["rollouts"], data["rewards"]))]
+        return groups, data["stats"]
+
+    def save_draw(self, arm: str, groups, stats: dict) -> None:
+        data = {"stats": stats, "rewards": [g.rewards.tolist() for g in groups],
+                "rollouts": [[dataclasses.asdict(r) for r in g.rollouts] for g in groups]}
+        self._write(self.root / f"draw_{arm}.json", lambda f: f.write(json.dumps(data).encode()))
+
+    def load_estimate(self, key):
+        path = self.root / f"estimate_{key[0]}__{key[1]}.npz"
+        if not path.exists():
+            return None
+        with np.load(path) as f:
+            return f["sketch"], f["n"], json.loads(str(f["row"]))
+
+    def save_estimate(self, key, sketch, n, row: dict, full=None) -> None:
+        if full is not None:
+            self._write(self.root / "reference_gradient.npy", lambda f: np.save(f, full))
+        self._write(self.root / f"estimate_{key[0]}__{key[1]}.npz",
+                    lambda f: np.savez(f, sketch=sketch, n=n, row=np.array(json.dumps(row))))
+
+    def reference_gradient(self) -> np.ndarray:
+        return np.load(self.root / "reference_gradient.npy")
+
+
 # ------------------------------------------------------------------------------------------ the measurement
 def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, seeds, workdir, checkpoint=None,
             sketch_dim: int = 4096, sketch_seed: int = 0, bootstrap: int = 1000, bootstrap_seed: int = 0,
-            aggregation: str = "token-mean", log=print) -> dict:
+            aggregation: str = "token-mean", floor_corrections: bool = True, log=print) -> dict:
     """Draws every arm, computes every (arm, correction) gradient and compares it with the reference
-    (module doc) → the results dict (`rows`: one per arm and correction, the floor first)."""
+    (module doc) → the results dict (`rows`: one per arm and correction, the floor first). What <workdir>/cache
+    already holds for these settings is reused. `floor_corrections=False`: the fp32 arm without correction only
+    (on-policy the corrections are near no-ops; SmolLM2 saves 3 of 17 estimates)."""
     checkpoint = str(checkpoint or setting.checkpoint)
     arms = ["fp32"] + [a for a in arms if a != "fp32"]                    # the floor is the fp32 arm
     corrections = ["none"] + [c for c in corrections if c != "none"]
@@ -384,12 +461,12 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
+    from portable_rl import engines  # before torch: passive OpenMP waits (engines/__init__.py)
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from portable_rl import engines
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.rl.codec import TextCodec
@@ -397,6 +474,8 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     from portable_rl.tasks import get_reward
     from portable_rl.testing.configs import dapo_config
 
+    cache = Cache(workdir, fingerprint(setting, checkpoint, prompts, samples, seeds, sketch_dim, sketch_seed,
+                                      aggregation))
     task = setting.task()
     examples = task.train_batch(0, 0, prompts)
     reward_fn = get_reward(task.reward)
@@ -413,51 +492,70 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     dim = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     sketch, k = make_sketch(dim, sketch_dim, sketch_seed)
     log(f"[gradfid] {checkpoint}: {dim:,} parameters, sketch {k} dims; {prompts} prompts x {samples} samples; "
-        f"arms {' '.join(arms)}; corrections {' '.join(corrections)}")
+        f"arms {' '.join(arms)}; corrections {' '.join(corrections)}; cache {cache.root}")
+
+    def wanted(arm):
+        return ["none"] if arm == "ref" or (arm == FLOOR[0] and not floor_corrections) else corrections
 
     # (draw name, base arm, logit scale, seed): the reference first, on the fp32 engine
     draws = [("ref", "fp32", 1.0, seeds[0])] + [(a, *parse_arm(a), seeds[1]) for a in arms]
     bases = list(dict.fromkeys(base for _, base, _, _ in draws))
     ref_full, sketches, rows, draw_stats = None, {}, {}, {}
     for base in bases:  # one engine at a time, closed before its draws' gradients
-        name, kwargs = engine_spec(base, setting, workdir)
-        t0 = time.perf_counter()
-        engine = engines.create_engine(name, model_path=checkpoint, **kwargs)
-        started = time.perf_counter() - t0
         mine = [d for d in draws if d[1] == base]
         drawn = {}
-        try:
-            for arm, _, scale, seed in mine:
-                t0 = time.perf_counter()
-                drawn[arm], stats = draw(engine, codec, examples, reward_fn, setting, samples, seed, scale)
-                stats.update(engine=f"{name} {kwargs.get('engine_init_kwargs', kwargs.get('engine_kwargs'))}",
-                             engine_start_s=started / len(mine), generate_s=time.perf_counter() - t0, seed=seed,
-                             logit_scale=scale, quantization=engine.quantization)
-                draw_stats[arm] = stats
-                log(f"[gradfid] {arm}: drawn in {stats['generate_s']:.1f} s (engine start {started:.1f} s), "
-                    f"reward {stats['reward_mean']:.3f}, {stats['informative_groups']}/{prompts} informative groups, "
-                    f"{stats['response_length_mean']:.1f} tokens")
-        finally:
-            engine.close()
-        for arm, _, _, _ in mine:
-            t_arm = time.perf_counter()
-            for correction in (["none"] if arm == "ref" else corrections):
+        for arm, *_ in mine:
+            cached = cache.load_draw(arm, examples)
+            if cached is not None:
+                drawn[arm], draw_stats[arm] = cached
+        todo = [d for d in mine if d[0] not in drawn]
+        needed = [d for d in mine if any(cache.load_estimate((d[0], c)) is None for c in wanted(d[0]))]
+        if todo and needed:
+            name, kwargs = engine_spec(base, setting, workdir)
+            t0 = time.perf_counter()
+            engine = engines.create_engine(name, model_path=checkpoint, **kwargs)
+            started = time.perf_counter() - t0
+            try:
+                for arm, _, scale, seed in todo:
+                    t0 = time.perf_counter()
+                    drawn[arm], stats = draw(engine, codec, examples, reward_fn, setting, samples, seed, scale)
+                    stats.update(engine=f"{name} {kwargs.get('engine_init_kwargs', kwargs.get('engine_kwargs'))}",
+                                 engine_start_s=started / len(todo), generate_s=time.perf_counter() - t0, seed=seed,
+                                 logit_scale=scale, quantization=engine.quantization)
+                    draw_stats[arm] = stats
+                    cache.save_draw(arm, drawn[arm], stats)
+                    log(f"[gradfid] {arm}: drawn in {stats['generate_s']:.1f} s (engine start {started:.1f} s), "
+                        f"reward {stats['reward_mean']:.3f}, {stats['informative_groups']}/{prompts} informative "
+                        f"groups, {stats['response_length_mean']:.1f} tokens")
+            finally:
+                engine.close()
+        for arm, *_ in mine:
+            for correction in wanted(arm):
+                key = (arm, correction)
+                cached = cache.load_estimate(key)
+                if cached is not None:
+                    per_prompt, n, rows[key] = cached
+                    sketches[key] = (per_prompt, n)
+                    continue
+                if arm not in drawn:
+                    raise RuntimeError(f"no draw of {arm} in {cache.root} and none made")  # cannot happen
+                if ref_full is None and arm != "ref":
+                    ref_full = cache.reference_gradient()
                 t0 = time.perf_counter()
                 full, per_prompt, n, tis_metrics, loss = estimate(learners[correction], cfg, drawn[arm],
                                                                   codec.pad_id, sketch, configs[correction])
-                key = (arm, correction)
-                sketches[key] = (per_prompt, n)
                 if arm == "ref":
                     ref_full = full
-                    row = compare(full, full)
-                else:
-                    row = compare(full, ref_full)
-                rows[key] = {"arm": arm, "correction": correction, **row, "grad_norm": float(np.linalg.norm(full)),
-                             **tis_metrics, **loss, "gradient_s": time.perf_counter() - t0}
+                sketches[key] = (per_prompt, n)
+                rows[key] = {"arm": arm, "correction": correction, **compare(full, ref_full),
+                             "grad_norm": float(np.linalg.norm(full)), **tis_metrics, **loss,
+                             "gradient_s": time.perf_counter() - t0}
+                cache.save_estimate(key, per_prompt, n, rows[key], full=full if arm == "ref" else None)
                 del full
                 log(f"[gradfid] {arm} / {correction}: cos {rows[key]['cos']:.4f}, rel_l2 {rows[key]['rel_l2']:.4f}, "
                     f"tis/kl {tis_metrics['tis/kl']:+.4f} ({rows[key]['gradient_s']:.1f} s)")
-            draw_stats[arm]["gradients_s"] = time.perf_counter() - t_arm
+    for arm in draw_stats:
+        draw_stats[arm]["gradients_s"] = sum(r["gradient_s"] for (a, _), r in rows.items() if a == arm)
     intervals = bootstrap_intervals(sketches, REFERENCE, FLOOR, bootstrap, bootstrap_seed)
     floor = rows[FLOOR]
     ordered = []
@@ -504,12 +602,13 @@ def plot(results: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["rows"]
+    # the floor arm under a correction is the floor again (weights 1 on-policy): the table shows it, the plot not
+    rows = [r for r in results["rows"] if r["arm"] != FLOOR[0] or r["correction"] == FLOOR[1]]
     corrections = list(dict.fromkeys(r["correction"] for r in rows))
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     colors = dict(zip(corrections, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 2), sharey=True)
-    labels, positions, y = [], [], 0.0
+    labels, positions, y, legend = [], [], 0.0, set()
     for arm in arms:
         for c in corrections:
             row = next((r for r in rows if r["arm"] == arm and r["correction"] == c), None)
@@ -518,8 +617,9 @@ def plot(results: dict, path: Path) -> Path:
             for ax, name in zip(axes, ("cos", "excess")):
                 lo, hi = row[f"{name}_ci"]
                 ax.errorbar(row[name], y, xerr=[[max(row[name] - lo, 0)], [max(hi - row[name], 0)]], fmt="o",
-                            color=colors[c], capsize=3, label=c if arm == arms[0] else None)
-            labels.append(f"{arm} / {c}")
+                            color=colors[c], capsize=3, label=None if c in legend else c)
+            legend.add(c)
+            labels.append("floor: fp32 / none" if (arm, c) == FLOOR else f"{arm} / {c}")
             positions.append(y)
             y += 1
         y += 0.5
@@ -527,13 +627,15 @@ def plot(results: dict, path: Path) -> Path:
     axes[0].axvspan(lo, hi, color="grey", alpha=0.2, label="floor 95% CI")
     axes[0].axvline(results["floor"]["cos"], color="grey", lw=1)
     axes[1].axvline(0.0, color="grey", lw=1)
+    axes[1].set_xscale("symlog", linthresh=0.1)
     axes[0].set_yticks(positions, labels)
     axes[0].invert_yaxis()
     axes[0].set_xlabel("cosine to the on-policy reference gradient")
     axes[1].set_xlabel("excess rel. L2² over the floor (≈ squared bias / ‖g_ref‖²)")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.suptitle(f"Gradient fidelity: {results['prompts']} prompts x {results['samples']} samples, "
-                 f"{results['checkpoint']}", fontsize=10)
+                 f"{Path(results['checkpoint']).name}, seeds {results['seeds'][0]} (reference) / "
+                 f"{results['seeds'][1]} (floor and arms)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -575,6 +677,9 @@ def main(argv=None):
     p.add_argument("--sketch_seed", type=int, default=0)
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples of the prompts")
     p.add_argument("--bootstrap_seed", type=int, default=0)
+    p.add_argument("--floor_corrections", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the fp32 arm under each correction (near no-ops on-policy; --no-floor_corrections saves "
+                        "their gradients)")
     p.add_argument("--out", default=None, help="results.json (and the INT8 copy) go here; default runs/gradient_fidelity/<setting>")
     p.add_argument("--plot", default=None, help="write the figure here (e.g. docs/img/gradient_fidelity_toy.png)")
     args = p.parse_args(argv)
@@ -587,6 +692,7 @@ def main(argv=None):
                           corrections=args.corrections, seeds=args.seeds, workdir=out, checkpoint=checkpoint,
                           sketch_dim=args.sketch_dim, sketch_seed=args.sketch_seed, bootstrap=args.bootstrap,
                           bootstrap_seed=args.bootstrap_seed, aggregation=args.aggregation,
+                          floor_corrections=args.floor_corrections,
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     except BadInput as e:
         raise SystemExit(f"error: {e}") from None

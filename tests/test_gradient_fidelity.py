@@ -143,6 +143,29 @@ def test_bad_input_is_one_line(tmp_path):
     assert gf.parse_arm("mxfp4") == ("mxfp4", 1.0) and gf.parse_arm("mxfp4x0.5") == ("mxfp4", 0.5)
 
 
+def test_cache_round_trips_and_refuses_other_settings(tmp_path):
+    from portable_rl.engines.base import Rollout
+    from portable_rl.rl.rollout import ScoredGroup
+
+    key = {"prompts": 2, "samples": 2, "seeds": [1, 2]}
+    cache = gf.Cache(tmp_path, key)
+    groups = [ScoredGroup("ex0", [Rollout(0, [1, 2], [3, 4], [-0.5, float("nan")], "stop"),
+                                  Rollout(0, [1, 2], [5], [-1.0], "length")], np.array([1.0, 0.0], np.float32))]
+    cache.save_draw("fp8", groups, {"reward_mean": 0.5})
+    again, stats = gf.Cache(tmp_path, key).load_draw("fp8", ["ex0"])
+    assert stats == {"reward_mean": 0.5} and again[0].example == "ex0"
+    assert again[0].rollouts[1] == groups[0].rollouts[1] and np.isnan(again[0].rollouts[0].response_logprobs[1])
+    np.testing.assert_array_equal(again[0].rewards, groups[0].rewards)
+    assert cache.load_draw("int8", ["ex0"]) is None and cache.load_estimate(("fp8", "none")) is None
+    full = np.arange(5, dtype=np.float32)
+    cache.save_estimate(("ref", "none"), np.ones((2, 3)), np.array([4.0, 5.0]), {"cos": 1.0}, full=full)
+    sketch, n, row = cache.load_estimate(("ref", "none"))
+    assert sketch.shape == (2, 3) and list(n) == [4.0, 5.0] and row == {"cos": 1.0}
+    np.testing.assert_array_equal(cache.reference_gradient(), full)
+    with pytest.raises(gf.BadInput, match="other settings \\(samples, seeds\\)"):
+        gf.Cache(tmp_path, {"prompts": 2, "samples": 4, "seeds": [1, 3]})
+
+
 # ------------------------------------------------------------------------------------------ real vLLM
 DIGITS = "gradfid_test_digits"
 
@@ -196,3 +219,9 @@ def test_on_policy_floor_detects_a_perturbed_engine_and_token_tis_moves_it_back(
     table = gf.markdown(results)
     assert table.count("\n") == 1 + len(results["rows"]) and "fp32 (floor)" in table
     assert gf.plot(results, tmp_path / "plot.png").stat().st_size > 0
+    # the same command again: everything comes from the cache (no engine, no gradient), the same numbers
+    logged = []
+    again = gf.measure(setting, prompts=64, samples=128, arms=["fp32", "fp32x0.5", "fp32x0.7"],
+                       corrections=["none", "token_tis"], seeds=[1, 2], workdir=tmp_path / "out", bootstrap=500,
+                       log=logged.append)
+    assert len(logged) == 1 and again["rows"] == results["rows"]
