@@ -270,13 +270,17 @@ def make_sketch(dim: int, k: int, seed: int = 0) -> tuple[Callable[[np.ndarray],
     return (lambda x: np.asarray(sketch(jnp.asarray(x, jnp.float32)))), k
 
 
-def compare(g: np.ndarray, ref: np.ndarray) -> dict:
-    """cos, rel_l2 and the norm ratio of g against ref (float64 sums)."""
-    g, ref = np.asarray(g, np.float64), np.asarray(ref, np.float64)
-    ng, nr = np.linalg.norm(g), np.linalg.norm(ref)
-    cos = float(g @ ref / (ng * nr)) if ng > 0 and nr > 0 else float("nan")
-    rel = float(np.linalg.norm(g - ref) / nr) if nr > 0 else float("nan")
-    return {"cos": cos, "rel_l2": rel, "norm_ratio": float(ng / nr) if nr > 0 else float("nan")}
+def compare(g: np.ndarray, ref: np.ndarray, chunk: int = 1 << 22) -> dict:
+    """cos, rel_l2 and the norm ratio of g against ref: float64 sums over float64 chunks (a SmolLM2 gradient
+    converted whole would be another 1 GB twice)."""
+    gg = rr = gr = dd = 0.0
+    for i in range(0, len(g), chunk):
+        a, b = np.asarray(g[i:i + chunk], np.float64), np.asarray(ref[i:i + chunk], np.float64)
+        gg, rr, gr, dd = gg + a @ a, rr + b @ b, gr + a @ b, dd + (a - b) @ (a - b)
+    ng, nr = math.sqrt(gg), math.sqrt(rr)
+    cos = gr / (ng * nr) if ng > 0 and nr > 0 else float("nan")
+    rel = math.sqrt(dd) / nr if nr > 0 else float("nan")
+    return {"cos": float(cos), "rel_l2": float(rel), "norm_ratio": ng / nr if nr > 0 else float("nan")}
 
 
 def _rowwise(g: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -361,13 +365,17 @@ def estimate(learner, cfg, groups, pad_id: int, sketch, correction):
         prepared = learner.prepare(batch)
         grad, metrics = learner.gradient(prepared)
         n = group_weight(cfg.loss.loss_aggregation, batch["response_mask"] * prepared.keep_mask)
-        full = n * grad if full is None else full + n * grad
-        sketches.append(sketch(n * grad))
+        grad *= n                                                     # in place: no second [D] temporary
+        if full is None:
+            full = grad.copy()
+        else:
+            full += grad
+        sketches.append(sketch(grad))
         weights.append(n)
         views.append((prepared.old_logprobs, np.asarray(batch["rollout_logprobs"]), np.asarray(batch["response_mask"])))
         losses.append(metrics.get("train/loss", 0.0))
     total = sum(weights)
-    full = full / total if total > 0 else full * 0.0
+    full *= (1.0 / total) if total > 0 else 0.0
     width = max(v[0].shape[1] for v in views)
     old, rollout, mask = (np.concatenate([_pad_to(v[i], width) for v in views]) for i in range(3))
     _, _, tis_metrics = tis.apply_rollout_correction(correction, old, rollout, mask)
