@@ -237,3 +237,29 @@ def test_deferring_needs_a_token_local_correction(batch):
         assert len(calls) == prepared.metrics["batch/micro_batches"] and "tis/kl" in prepared.metrics
     assert make_learner("decoupled", TOKEN_TIS, from_update=True).defers_first_mini_batch
     assert not make_learner("bypass", NONE, from_update=True).defers_first_mini_batch
+
+
+def test_gradient_is_the_update_direction_and_changes_nothing(batch):
+    """Learner.gradient: the flattened loss gradient `update` would hand the optimizer (SGD at lr 1 moves the
+    weights by exactly minus it), with micro-batches or one call alike, the on-policy mini-batch included;
+    it leaves the weights and the update count alone, so the same PreparedBatch can still be updated."""
+    import optax
+
+    grads = {}
+    for from_update, budget in ((False, None), (True, 48)):
+        model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        alg = dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=4, max_response_tokens=32,
+                          old_logprobs_from_update=from_update)
+        learner = Learner(model, nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param), alg, TOKEN_TIS,
+                          memory=MemoryConfig(max_tokens_per_micro_batch=budget, logprob_chunk_tokens=None))
+        before = params(learner)
+        prepared = learner.prepare(batch)
+        grad, metrics = learner.gradient(prepared)
+        assert learner.updates == 0 and max_diff(params(learner), before) == 0.0
+        assert "tis/kl" in {**prepared.metrics, **metrics} and metrics["train/loss"] != 0
+        learner.update(prepared)
+        moved = np.concatenate([(b - a).ravel() for a, b in zip(jax.tree.leaves(params(learner)),
+                                                                 jax.tree.leaves(before))])
+        np.testing.assert_allclose(grad, moved, rtol=1e-4, atol=1e-6 * np.abs(grad).max())
+        grads[from_update] = grad
+    np.testing.assert_allclose(grads[True], grads[False], rtol=1e-4, atol=1e-5 * np.abs(grads[False]).max())

@@ -505,15 +505,18 @@ class Learner:
         prepared = self.prepare(batch)
         return {**prepared.metrics, **self.update(prepared)}
 
-    def update(self, prepared: PreparedBatch) -> dict:
-        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates,
-        and with a deferred mini-batch the `tis/*` metrics (module doc). `prepared` is not modified."""
+    def _check_fresh(self, prepared: PreparedBatch, what: str) -> None:
         if not isinstance(prepared, PreparedBatch):
-            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.prepare(batch)")
+            raise TypeError(f"Learner.{what} takes the PreparedBatch returned by Learner.prepare(batch)")
         if prepared.policy_version is not None and prepared.policy_version != self.updates:
             raise ValueError(f"this PreparedBatch's old logprobs are of the policy before update "
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
                              "update(s) ran since; prepare it again right before updating (Learner.step does both)")
+
+    def update(self, prepared: PreparedBatch) -> dict:
+        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates,
+        and with a deferred mini-batch the `tis/*` metrics (module doc). `prepared` is not modified."""
+        self._check_fresh(prepared, "update")
         self.updates += 1
         history, tis_metrics = [], {}
         for _ in range(self.cfg.loss.ppo_epochs):
@@ -543,3 +546,35 @@ class Learner:
         if not history:
             return tis_metrics
         return {**tis_metrics, **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}}
+
+    def gradient(self, prepared: PreparedBatch) -> tuple[np.ndarray, dict]:
+        """The policy-loss gradient at the current weights, with no optimizer update: per non-empty mini-batch
+        the sum over its micro-batches of ∇loss (what `update`'s first pass hands the optimizer, the deferred
+        mini-batch's own forward included), then the mean over mini-batches, flattened in `jax.tree.leaves`
+        order of the model's `nnx.Param`s → (float32 [num_params], the deferred mini-batch's `tis/*` and the
+        `train/*` loss metrics). The weights, the optimizer and `updates` are unchanged, so the same
+        PreparedBatch may still go to `update`."""
+        self._check_fresh(prepared, "gradient")
+        total, minis, parts_all, tis_metrics = None, 0, [], {}
+        for index, micro in enumerate(prepared.micro_batches):
+            if not any(mb["response_mask"].any() for mb in micro):
+                continue
+            with self._on_mesh():
+                grads, parts = zero_grads(self.model), []
+                for mb in micro:
+                    grads, m = self._grad_step(self.model, self._device(mb), grads)
+                    parts.append(m)
+            if prepared.deferred is not None and index == prepared.deferred.index:
+                rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
+                tis_metrics = {k: v for k, v in complete_deferred(prepared, rows, self.correction).metrics.items()
+                               if k.startswith("tis/")}
+            flat = np.concatenate([np.asarray(jax.device_get(g), np.float32).ravel() for g in jax.tree.leaves(grads)])
+            total = flat if total is None else total + flat
+            minis += 1
+            parts_all += [{k: float(v) for k, v in p.items()} for p in jax.device_get(parts)]
+        if total is None:
+            size = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+            return np.zeros(size, np.float32), tis_metrics
+        total /= minis
+        metrics = {f"train/{k}": v for k, v in combine_metrics(parts_all).items()}
+        return total, {**tis_metrics, **metrics, "train/grad_norm": float(np.linalg.norm(total))}
