@@ -19,7 +19,7 @@ the plan's prediction for each, and two verdicts:
   learner_peak_within_prediction  measured learner peak − its runtime ≤ XLA's predicted peak × 1.01, where
                                   runtime = the learner process's bytes before its first step − its state
                                   (CUDA context, cuBLAS/cuDNN workspaces: outside XLA's memory_analysis;
-                                  1.49 GB on an H200, 2026-12-04, docs/benchmarks.md)
+                                  its measured size: docs/experiments/gpu_check.md)
   device_within_plan              the device's peak in the learner phase ≤ peak + asleep + reserve, and in
                                   the generation phase ≤ the device (what the plan promises)
 `ok`: every step ran, i.e. no
@@ -28,7 +28,7 @@ Last, the control: XLA with its defaults (75 % preallocated) and then an engine 
 the layout the recipes had before the plan; on a GPU its "outcome" should be that the engine could not.
 `--dry-run`: CPU, tiny sizes, checks that the protocol runs.
 
-    python benchmarks/colocation_check.py [--dry-run] [--vllm] [--out DIR] [--steps 2]
+    python -m benchmarks.colocation_check [--dry-run] [--vllm] [--out DIR] [--steps 2]
 """
 
 from __future__ import annotations
@@ -42,12 +42,10 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-GB = 1e9
+from benchmarks import bench_common
 
-import bench_common  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
 
 
 # ------------------------------------------------------------------------------------------- memory probes
@@ -142,7 +140,7 @@ def learner_child(args):
     import numpy as np
     from flax import nnx
 
-    from gpu_check import MODEL_1B, MODEL_TINY, build_model
+    from benchmarks.gpu_check import MODEL_1B, MODEL_TINY, build_model
 
     from portable_rl.learner_jax.logprobs import sequence_logprobs
     from portable_rl.learner_jax.optim import make_optimizer
@@ -271,7 +269,7 @@ def vllm_child(args):
 # ------------------------------------------------------------------------------------------------- driver
 class Child:
     def __init__(self, role, extra, env):
-        cmd = [sys.executable, os.path.abspath(__file__), "--role", role] + extra
+        cmd = [sys.executable, "-m", "benchmarks.colocation_check", "--role", role] + extra  # cwd: the root
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=ROOT)
         self.pid = self.call(None)["pid"]
@@ -302,7 +300,7 @@ class Child:
 
 
 def run(args) -> dict:
-    from portable_rl.memory_plan import detect_device_memory, xla_env_for
+    from portable_rl.rl.colocation import detect_device_memory, xla_env_for
 
     if args.dry_run:
         device_bytes, source = 0.3 * GB, "dry run: a pretend 0.3 GB device (host RAM)"
@@ -324,7 +322,7 @@ def run(args) -> dict:
 
 
 def _with_learner(args, learner, device_bytes, source, base_env) -> dict:
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     info = learner.call("info")
     # 2. The plan from what the learner reports (the engine's weights: 1.5 GB stands in for a small model).

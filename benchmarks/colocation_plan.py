@@ -1,4 +1,4 @@
-"""Which 7B/8B recipe fits colocated on how many GPUs: `memory_plan.MemoryPlan` over device counts.
+"""Which 7B/8B recipe fits colocated on how many GPUs: `rl.colocation.MemoryPlan` over device counts.
 
 For N devices the learner is fsdp=N and the engine one vLLM with tensor_parallel_size=N (weights and KV cache
 split N ways). The learner's per-device peak at N devices is its state at N plus the activation temp measured
@@ -11,7 +11,7 @@ Prints a markdown table: layout (time-shared / resident), fits or the knob the p
 gpu_memory_utilization and the KV-cache tokens it leaves. Nothing is allocated; the checkpoints are
 header-only (portable_rl.testing.shapes_only).
 
-    python benchmarks/colocation_plan.py [--device_gb 141] [--devices 1 2 4 8]
+    python -m benchmarks.colocation_plan [--device_gb 141] [--devices 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from learner_memory import MODELS  # noqa: E402  (published config.json values)
-
-from portable_rl.memory_plan import MemoryPlan, MemoryPlanError  # noqa: E402
-from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint  # noqa: E402
+from benchmarks.learner_memory import MODELS  # (published config.json values)
+from portable_rl.rl.colocation import MemoryPlan, MemoryPlanError
+from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint
 
 GB = 1e9
 # (recipe, model, engine quantization, MAX_MODEL_LEN, peak at fsdp=8 in GB, micro-batched?) from docs/scaling.md

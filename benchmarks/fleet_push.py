@@ -13,14 +13,14 @@ of the Flax params from `convert.to_torch.iter_hf_tensors`, as in training). Tim
 The interesting ratios: fleet-2 / fleet-1 (the cost of one more engine: ~1 if the engines load in parallel
 and the object store is not the bottleneck) and fleet-1 / in-process (the price of the process boundary).
 
-    python benchmarks/fleet_push.py [--layers 6 --hidden 768 --intermediate 2048 --vocab 32000 --repeats 3]
+    python -m benchmarks.fleet_push [--layers 6 --hidden 768 --intermediate 2048 --vocab 32000 --repeats 3]
 """
 
 import argparse
 import os
 import tempfile
 
-from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def main():

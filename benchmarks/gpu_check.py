@@ -23,7 +23,7 @@ Results go to $OUT/gpu_check.json (or --out) and stdout. Each check records its 
 still run; the exit status is non-zero if any failed. `--dry-run` runs everything on CPU with a tiny model
 (for testing this script; its MFU means nothing).
 
-    python benchmarks/gpu_check.py [--dry-run] [--rows 8 --seq 1024] [--out DIR]
+    python -m benchmarks.gpu_check [--dry-run] [--rows 8 --seq 1024] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_common  # noqa: E402
+from benchmarks import bench_common
 
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s
 
@@ -71,8 +69,8 @@ def check_environment(dry_run: bool) -> dict:
     try:
         import portable_rl.learner_jax.step  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        fail(f"cannot import portable_rl ({type(e).__name__}: {e}); run from the repository root with "
-             f"PYTHONPATH=. or `pip install --no-deps -e .`")
+        fail(f"cannot import portable_rl ({type(e).__name__}: {e}); run `python -m benchmarks.gpu_check` from "
+             f"the repository root, or `pip install --no-deps -e .`")
     import jax
     import torch
 

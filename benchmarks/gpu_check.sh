@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short GPU check for a lent H200 (no network, no vLLM/SGLang needed): learner MFU of a ~1B Qwen2-like
 # model in bf16, zero-copy DLPack JAX -> torch on the GPU, trainer-side FP8 and INT8 quantizer GB/s; then the
-# colocated smoke test (benchmarks/colocation_check.py): a JAX learner step and a torch process holding the
+# colocated smoke test (python -m benchmarks.colocation_check): a JAX learner step and a torch process holding the
 # memory plan's engine share on the same GPU, time-shared (sleep -> learner -> wake weights -> push -> wake KV
 # cache), both peaks against the plan's prediction; the same with a real vLLM engine where vLLM is installed.
 # Results: $OUT/gpu_check.json and $OUT/colocation_check.json (or ./) and stdout. Total runtime < 5 min.
@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_check.sh --dry-run    # CPU, tiny model: checks that the script runs
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The project without installing anything: its root on the import path (no network needed).
+# The project without installing anything: its root on the import path (no network needed; `python -m`
+# puts it there too, this covers PYTHONSAFEPATH).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
@@ -33,6 +34,6 @@ done
 t_check=140; t_colocation=150
 if [ "$dry_run" = 1 ]; then t_check=290; t_colocation=290; fi
 status=0
-timeout "$t_check" "$PY" benchmarks/gpu_check.py "$@" || status=$?
-timeout "$t_colocation" "$PY" benchmarks/colocation_check.py --vllm "${colocation_args[@]}" || status=$?
+timeout "$t_check" "$PY" -m benchmarks.gpu_check "$@" || status=$?
+timeout "$t_colocation" "$PY" -m benchmarks.colocation_check --vllm "${colocation_args[@]}" || status=$?
 exit "$status"

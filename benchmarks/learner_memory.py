@@ -32,9 +32,9 @@ Output: one line per path; `--json` makes each a JSON object with model, tokens_
 peak_bytes_per_device, the parts (params / optimizer / argument / output / alias / temp bytes), every
 compiled function's numbers, the knobs, compile_seconds.
 
-    python benchmarks/learner_memory.py --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
-    python benchmarks/learner_memory.py --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
-    python benchmarks/learner_memory.py --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
+    python -m benchmarks.learner_memory --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
+    python -m benchmarks.learner_memory --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
+    python -m benchmarks.learner_memory --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
 
 Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
 assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early
@@ -194,9 +194,9 @@ FLOAT_FIELDS = ("response_mask", "keep_mask", "old_logprobs", "rollout_logprobs"
 
 def rl_cfg():
     """The DAPO settings of the 7B/8B recipes (gin/recipes/dapo_seed_settings.gin) that the loss reads."""
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
 
-    return DapoConfig(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
+    return dapo_config(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
                       clip_eps_high=0.28, loss_aggregation="token-mean")
 
 

@@ -19,11 +19,11 @@ jax, torch, ...), so background load on a shared box hits both alike; tokens/s =
 time; ratio = ours / torch tokens/s. torch uses `torch.set_num_threads(os.cpu_count())` (--torch-threads);
 JAX uses XLA's CPU thread pool (all cores). The 1-minute load average before/after is recorded.
 
-    python benchmarks/learner_step.py [--sizes tiny,small,100m] [--dtypes fp32,bf16] [--reps 5] [--json]
+    python -m benchmarks.learner_step [--sizes tiny,small,100m] [--dtypes fp32,bf16] [--reps 5] [--json]
                                       [--rows R --seq T]   (one batch shape for every size)
 
-Runtime on the 2-core box: ~6 min for the three sizes at load ~3, ~16 min at load ~15 (mostly the 100m
-size; `--sizes tiny,small` takes 1-2 min).
+Most of the runtime is the 100m size; `--sizes tiny,small` is the quick check. Measured numbers:
+docs/benchmarks.md ("Learner step vs HF transformers").
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import serve_timed_steps  # noqa: E402
+from benchmarks.bench_common import serve_timed_steps
 
 # Checkpoint dims per size (Qwen2, tied embeddings). 100m: 12 layers, d=768, vocab 32000 -> ~100M params.
 SIZES = {

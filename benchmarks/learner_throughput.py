@@ -25,7 +25,7 @@ compete); the parent asks for one update at a time, alternating sides, so load o
 all of them alike; medians of `--reps` after one warm-up update. The sides of one dtype run together
 (alternating); dtypes run one after another (fewer processes in memory at once).
 
-    python benchmarks/learner_throughput.py [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
+    python -m benchmarks.learner_throughput [--sequences 16] [--dtypes bf16,fp32] [--reps 3] [--json]
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps  # noqa: E402
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, serve_timed_steps
 
 SIDES = ("new", "old", "torch")
 GRAD_NORM_RTOL = {"fp32": 1e-3, "bf16": 3e-2}
@@ -111,7 +109,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.batching import pack_rollouts
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.learner import Learner
 
     if side == "new":
@@ -126,7 +124,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
                              attention_impl=memory.attention_impl, remat=memory.remat)
     optimizer = nnx.Optimizer(model, make_optimizer(**OPTIM), wrt=nnx.Param)
     n = len(rollouts["prompts"])
-    cfg = DapoConfig(prompt_batch_size=1, n_samples=n, mini_batch_size=1, clip_eps_low=CLIP[0],
+    cfg = dapo_config(prompt_batch_size=1, n_samples=n, mini_batch_size=1, clip_eps_low=CLIP[0],
                      clip_eps_high=CLIP[1], loss_aggregation="token-mean")
     correction = tis.RolloutCorrectionConfig(mode="token", clip=2.0)
     learner = Learner(model, optimizer, cfg, correction, memory=memory)

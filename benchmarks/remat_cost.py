@@ -19,7 +19,7 @@ Model: a random Qwen3-style decoder built in memory (`--layers 4 --hidden 512 --
 --heads 8 --vocab 16384`, tied embeddings: ~21M params), float32 params, bf16 compute, attention
 `--attention_impl` (default 'auto': blockwise on CPU).
 
-    python benchmarks/remat_cost.py [--rows 4 --seq 256] [--reps 9] [--json]
+    python -m benchmarks.remat_cost [--rows 4 --seq 256] [--reps 9] [--json]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench_common import add_model_size_args
+from benchmarks.bench_common import add_model_size_args
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.model import Transformer

@@ -29,13 +29,13 @@ each per-step diagnostic (`DIAGNOSTICS`: time/update_survival, time/mismatch_spl
 the medians of the probe's KL and its split (`MISMATCH`: probe/kl = quantization + kernels + interaction,
 rl/mismatch_split.py).
 
-    python benchmarks/rollout.py [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
+    python -m benchmarks.rollout [--layers 8 --hidden 1024 --intermediate 2816 --vocab 32000]
                                  [--prompts 16 --max-tokens 32 --reps 2] [--tiny] [--json]
-    python benchmarks/rollout.py --model checkpoints/smollm2-135m-instruct --prompts 32 --max-tokens 64 --fp8-baseline
-    python benchmarks/rollout.py --layers 4 --hidden 4096 --intermediate 11008 --arms bf16 int8_per_channel
-    python benchmarks/rollout.py --run-dir runs/dapo_fp8
+    python -m benchmarks.rollout --model checkpoints/smollm2-135m-instruct --prompts 32 --max-tokens 64 --fp8-baseline
+    python -m benchmarks.rollout --layers 4 --hidden 4096 --intermediate 11008 --arms bf16 int8_per_channel
+    python -m benchmarks.rollout --run-dir runs/dapo_fp8
 
-Measured numbers, with their CPUs: docs/benchmarks.md ("INT8 rollouts", "Rollout throughput").
+Measured numbers, with their CPUs: docs/experiments/cpu_rollouts.md ("INT8 rollouts", "Rollout throughput").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared prompts in the learner: one SmolLM2 learner step with and without `share_prompts`, same batch.
 
 A GRPO group is n answers to one prompt. Packed one sequence at a time, the learner runs the prompt's
-p tokens n times; with `train.share_prompts` (learner_jax/memory.py) they share one copy and each answer
+p tokens n times; with `learner.MemoryConfig.share_prompts` (learner_jax/memory.py) they share one copy and each answer
 is a continuation segment that attends to it (learner_jax/attention.py):
 
     learner tokens per group    n · (p + r)    ->    p − 1 + n · (r + 1)
@@ -14,7 +14,7 @@ old logprobs agree (bf16 compute: max |Δ| reported) and so do their first updat
 Timing: `prepare` + `update` (old logprobs + the optimizer updates: the learner's whole share of a step),
 arms alternated after one warm-up (compile) call each, median of `--reps`; ratio = unshared / shared.
 
-    python benchmarks/shared_prompts.py [--model checkpoints/smollm2-135m-instruct] [--groups 8]
+    python -m benchmarks.shared_prompts [--model checkpoints/smollm2-135m-instruct] [--groups 8]
                                         [--samples 8] [--response-tokens 70] [--reps 2] [--json]
                                         [--compute-dtype float32]   (the arms agree to float32 rounding)
 """
@@ -34,14 +34,15 @@ def build(args):
     from portable_rl.convert.gguf import convert_gguf
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.dapo import build_batch
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import WordProblemsTask
 
     if not os.path.exists(os.path.join(args.model, "config.json")):
         convert_gguf(args.model)
     codec = TextCodec(args.model, chat_template=True)
-    cfg = DapoConfig(prompt_batch_size=args.groups, mini_batch_size=max(args.groups // 2, 1), n_samples=args.samples,
+    cfg = dapo_config(prompt_batch_size=args.groups, mini_batch_size=max(args.groups // 2, 1), n_samples=args.samples,
                      max_response_tokens=2 * args.response_tokens, temperature=0.6, overlong_buffer=0)
     rng = np.random.default_rng(0)
     task = WordProblemsTask(min_ops=1, max_ops=2, max_start=10, max_amount=5)

@@ -11,7 +11,7 @@
 
 Times are medians over `--reps` calls after warm-up, `block_until_ready` on every output.
 
-    python benchmarks/tis_cost.py [--size small] [--rows 64] [--seq 48] [--reps 20]
+    python -m benchmarks.tis_cost [--size small] [--rows 64] [--seq 48] [--reps 20]
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ All rates are bytes of the bf16 HF tensors (the payload an engine receives) per 
 
 Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
 
-    python benchmarks/weight_sync.py [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000 --repeats 3]
-    python benchmarks/weight_sync.py --param-dtype bfloat16 --sglang-only   # memcpy, convert, sglang rows
+    python -m benchmarks.weight_sync [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000 --repeats 3]
+    python -m benchmarks.weight_sync --param-dtype bfloat16 --sglang-only   # memcpy, convert, sglang rows
 """
 
 import argparse
@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 
-from bench_common import add_model_size_args, random_qwen2_checkpoint, timed
+from benchmarks.bench_common import add_model_size_args, random_qwen2_checkpoint, timed
 
 
 def optimizer_update_time(model, param_dtype: str, repeats: int) -> float:

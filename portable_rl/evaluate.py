@@ -17,10 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
 
 def _orbax_dir(checkpoint: Path) -> Optional[Path]:
     for candidate in (checkpoint / "checkpoints", checkpoint):
@@ -36,12 +32,29 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
              xla_preallocate: bool = False) -> dict:
     """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON).
 
-    `xla_preallocate=False`: JAX here only holds the restored params for one push, so XLA is told not to
-    preallocate (XLA_PYTHON_CLIENT_PREALLOCATE=false unless exported) and the engine's GPU_MEMORY_UTILIZATION
-    share stays free for it (portable_rl/memory_plan.py). No effect on CPU.
+    Args:
+      checkpoint: an HF checkpoint directory, or a training run directory / its checkpoints/ folder (the
+        trained weights are then pushed into the engine started on the run's base checkpoint).
+      engine_factory: builds the rollout engine: `engine_factory(model_path=...)` (`engines.create_engine`).
+      task: the held-out examples and the reward (`tasks.*`).
+      model_path: the base HF checkpoint of a run directory; None: the one recorded in the checkpoint. Unused
+        for an HF checkpoint.
+      step: the run checkpoint's step restored; None: the newest.
+      n_samples: responses sampled per problem.
+      temperature: the sampling temperature; 0: greedy.
+      max_tokens: the longest response the engine may generate.
+      ks: the k of each pass@k reported; a k above n_samples is left out.
+      max_examples: evaluate the first this many held-out examples; None: all.
+      chat_template: wrap prompts in the tokenizer's chat template.
+      seed: the sampling seed (unused at temperature 0).
+      report_path: where the JSON report is written; None: eval_<task name>[_step<N>].json in `checkpoint`
+        for a run directory, else in the current directory.
+      xla_preallocate: let XLA preallocate device memory as usual; False: XLA_PYTHON_CLIENT_PREALLOCATE=false
+        (unless exported), since JAX here only holds the restored params for one push and the engine's
+        GPU_MEMORY_UTILIZATION share stays free for it (rl/colocation.py). No effect on CPU.
     """
     if not xla_preallocate:  # before JAX starts its devices (the checkpoint restore below)
-        from portable_rl.memory_plan import PREALLOCATE
+        from portable_rl.rl.colocation import PREALLOCATE
 
         os.environ.setdefault(PREALLOCATE, "false")
     from portable_rl.engines.base import SamplingConfig
@@ -121,6 +134,9 @@ def format_table(report: dict) -> str:
 
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `evaluate`."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
 
     configured = gin_utils.register_configurable(evaluate, name="evaluate")

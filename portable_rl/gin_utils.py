@@ -10,7 +10,11 @@ Command line (train.py / evaluate.py / warmstart.py):
 The repository's `gin/` folder (next to the `portable_rl` package) and the current directory are always
 searched, so `--gin_file=gin/dapo_fp8.gin` and `--gin_file=dapo_fp8.gin` both work from anywhere.
 Library callables are registered here with `gin.external_configurable`, under short module names
-(`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...).
+(`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...). The config objects
+(`rl.RunConfig`, `rl.GenerationConfig`, `learner.MemoryConfig`, ...) are bound field by field; an argument of
+`train` (or a part of `rl.DapoConfig`) that the gin files do not set explicitly is built from its class's
+bindings, so `rl.LossConfig.ppo_epochs = 2` takes effect on its own. A binding renamed when the config
+objects replaced the flat keywords fails with one line naming the new one (`MOVED`).
 
 Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
 unknown configurable, missing REQUIRED macro) and every `portable_rl.errors.UserError` (unknown engine /
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import inspect
 import logging
 import os
@@ -60,35 +65,94 @@ def register_configurable(fn: Callable, name: str | None = None, module: str | N
         return fn
 
 
+def with_config_defaults(cls_or_fn: Callable, defaults: dict[str, Callable]) -> Callable:
+    """`cls_or_fn` whose arguments named in `defaults`, when not passed (or None), are built by calling the
+    gin-configured callable there: the config objects' own bindings apply without a `@Config()` reference."""
+    @functools.wraps(cls_or_fn)
+    def build(**kwargs):
+        for name, make in defaults.items():
+            if kwargs.get(name) is None:
+                kwargs[name] = make()
+        return cls_or_fn(**kwargs)
+    return build
+
+
+CONFIG_OBJECTS: dict[str, Callable] = {}  # train()'s config arguments → their gin-configured classes
+
+
 def register_library() -> None:
-    """Registers the gin-free library callables that gin files may reference."""
+    """Registers the gin-free library callables that gin files may reference. The entry points register
+    their own functions (`train` with `warmstart`, `evaluate`, `warmstart`), so none is imported here."""
     global _REGISTERED
     if _REGISTERED:
         return
     from portable_rl import tasks
     from portable_rl.engines import registry
     from portable_rl import tis
-    from portable_rl.rl import dapo
+    from portable_rl.learner_jax.memory import MemoryConfig
+    from portable_rl.rl import config as rl_config, dapo
 
     for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask):
         register_configurable(cls, module="tasks")
     register_configurable(registry.create_engine, name="create_engine", module="engines")
-    register_configurable(tis.RolloutCorrectionConfig, module="tis")
     register_configurable(tis.from_preset, name="from_preset", module="tis")
-    register_configurable(dapo.DapoConfig, module="rl")
+    parts = {name: register_configurable(getattr(rl_config, cls), module="rl") for name, cls in DAPO_PARTS.items()}
+    CONFIG_OBJECTS.update(
+        run=register_configurable(rl_config.RunConfig, module="rl"),
+        algorithm=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
+        correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
+        precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
+        memory=register_configurable(MemoryConfig, module="learner"),
+        diagnostics=register_configurable(rl_config.DiagnosticsConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
-    from portable_rl.rl import warmstart  # the library function; portable_rl/warmstart.py is its entry point
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
     register_configurable(sharding.MeshConfig, module="sharding")
-    register_configurable(warmstart.warmstart, name="warmstart")
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     register_configurable(MemoryPlan)  # gin/colocate.gin
     _REGISTERED = True
+
+
+def register_train(train: Callable) -> Callable:
+    """`train` registered as gin's `train`, its config arguments built from their classes' bindings
+    (`portable_rl.train.register_gin` also registers the warm start its default run names)."""
+    register_library()
+    return register_configurable(with_config_defaults(train, CONFIG_OBJECTS), name="train")
+
+
+DAPO_PARTS = {"generation": "GenerationConfig", "data": "DataConfig", "shapes": "ShapeConfig", "loss": "LossConfig",
+              "safety": "SafetyConfig"}
+
+# Bindings of the flat keywords that the config objects replaced → where they live now.
+MOVED = {
+    **{f"train.{name}": f"rl.RunConfig.{name}" for name in (
+        "run_dir", "train_steps", "model_path", "seed", "chat_template", "async_rollouts", "eval_every",
+        "eval_max_tokens", "eval_size", "checkpoint_every", "keep_checkpoints")},
+    **{f"train.{name}": f"rl.PrecisionConfig.{name}" for name in (
+        "param_dtype", "master_dtype", "compute_dtype", "smoothquant_alpha")},
+    **{f"train.{name}": f"learner.MemoryConfig.{name}" for name in (
+        "attention_impl", "pack_sequences", "share_prompts", "max_tokens_per_micro_batch", "logprob_chunk_tokens",
+        "remat")},
+    "train.probe_prompts": "rl.DiagnosticsConfig.probe_prompts",
+    "train.update_survival_stride": "rl.DiagnosticsConfig.update_survival_stride (0 as off: "
+                                    "rl.DiagnosticsConfig.disabled = ['update_survival'])",
+    "train.mismatch_split": "rl.DiagnosticsConfig.disabled = ['mismatch_split'] (to turn it off)",
+    "train.progress": "nothing: the progress bar shows on a terminal only",
+}
+
+
+def moved_dapo_fields() -> dict[str, str]:
+    """`rl.DapoConfig.<field>` → `rl.<Part>.<field>` for every field of DapoConfig's parts."""
+    import dataclasses
+
+    from portable_rl.rl import config as rl_config
+
+    return {f"rl.DapoConfig.{f.name}": f"rl.{cls}.{f.name}" for cls in DAPO_PARTS.values()
+            for f in dataclasses.fields(getattr(rl_config, cls))}
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
@@ -183,11 +247,6 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
         raise
 
 
-def user_error_types() -> tuple[type, ...]:
-    """The exception classes the entry points print as one line (`portable_rl.errors.USER_ERRORS`)."""
-    return USER_ERRORS
-
-
 def one_line(e: BaseException) -> str:
     """The exception's message on one line, without the call chain gin appends to it."""
     text = str(e).split("\n  In call to configurable")[0]
@@ -208,8 +267,12 @@ def _exit_with(e: BaseException):
 
 
 def _hint(msg: str) -> str:
-    """For an unknown parameter: the close match or the valid ones; for an unknown reference: the known ones."""
+    """For a moved binding: its new name; for an unknown parameter: the close match or the valid ones; for an
+    unknown reference: the known ones."""
     bad_param = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+    moved = {**MOVED, **moved_dapo_fields()}.get(f"{bad_param.group(1)}.{bad_param.group(2)}") if bad_param else None
+    if moved:
+        return f" (it moved: set {moved})"
     if bad_param and bad_param.group(1) in _CONFIGURABLES:
         params = _parameters(_CONFIGURABLES[bad_param.group(1)])
         close = difflib.get_close_matches(bad_param.group(2), params, n=1)
@@ -243,7 +306,7 @@ def query_value(name: str):
 
 def memory_budget(binding: str = "train.memory_plan"):
     """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), decided, with
-    XLA's variables set and its line printed (`memory_plan.prepare`), or None when nothing binds it. The entry
+    XLA's variables set and its line printed (`rl.colocation.prepare`), or None when nothing binds it. The entry
     points call this before JAX starts its devices."""
     try:
         value = gin.query_parameter(binding)
@@ -254,13 +317,13 @@ def memory_budget(binding: str = "train.memory_plan"):
         return None
     import dataclasses
 
-    from portable_rl.memory_plan import MemoryPlan, prepare
+    from portable_rl.rl.colocation import MemoryPlan, prepare
 
-    if isinstance(plan, MemoryPlan):  # the learner's dtypes are train's settings: one place sets them
+    if isinstance(plan, MemoryPlan):  # the learner's dtypes are PrecisionConfig's: one place sets them
         for name in ("param_dtype", "master_dtype"):
             try:
-                plan = dataclasses.replace(plan, **{name: query_value(f"train.{name}")})
-            except ValueError:  # train's default, which the plan's default matches
+                plan = dataclasses.replace(plan, **{name: query_value(f"rl.PrecisionConfig.{name}")})
+            except ValueError:  # PrecisionConfig's default, which the plan's default matches
                 pass
     return prepare(plan)
 

@@ -1,83 +1,89 @@
 """Training entry point (T5X style): `python -m portable_rl.train --gin_file=gin/dapo_fp8.gin`.
 
-One step (docs/training.md):
-    prompts (task, seeded by step) → engine samples n responses with rollout logprobs → rewards →
-    dynamic sampling → overlong shaping → group advantages → learner recomputes old logprobs (the first
-    mini-batch's from its own update's forward) →
-    rollout correction (tis/) → mini-batch PPO updates → push weights to the engine → post-sync probe.
+One RL step (`rl_step`, docs/training.md "What one step does"):
 
-`train()` is a plain keyword-only function; gin fills its arguments (gin_utils registers it). Rerunning
-the same command resumes from the newest checkpoint in `run_dir/checkpoints`; SIGTERM finishes the
-current step, checkpoints it and exits (rl/preemption.py). `async_rollouts=True` overlaps generation of
-step k+1 with training on step k, one step off-policy (rl/async_rollout.py).
+    rollouts      task prompts → the engine samples n responses per prompt with their logprobs → rewards →
+                  dynamic sampling → overlong shaping → group advantages → the batch       (rl/roles.py, rl/dapo.py)
+    old logprobs  the learner scores the batch (the first mini-batch's: its own update's forward)
+    correction    rollout correction weights from old vs rollout logprobs                    (tis/)
+    update        mini-batch PPO updates                                                     (rl/learner.py)
+    push          the new weights into the engine                                            (rl/sync.py)
+    diagnostics   update survival, the post-sync probe, the mismatch split                   (rl/diagnostics.py)
+
+`train()` is a plain keyword-only function of config objects (rl/config.py, learner_jax/memory.py, tis/,
+rl/diagnostics.py); gin binds their fields (gin_utils registers it). Rerunning the same command resumes from the
+newest checkpoint in `run_dir/checkpoints`; SIGTERM finishes the current step, checkpoints it and exits
+(rl/preemption.py). `RunConfig.async_rollouts` overlaps generation of step k+1 with training on step k, one
+step off-policy (rl/async_rollout.py). Several JAX processes (`python -m portable_rl.launch`): process 0 owns the
+engine and the logs, the others follow it (rl/roles.py); every process runs the same sharded step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: tensors pass by reference
-# vLLM logs a few INFO lines per weight sync; keep the console to the progress bar (override to see them).
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from portable_rl.learner_jax.memory import MemoryConfig
+from portable_rl.rl.config import PrecisionConfig, RunConfig
+from portable_rl.rl.dapo import DapoConfig
+from portable_rl.rl.config import DiagnosticsConfig
+from portable_rl.tis.config import RolloutCorrectionConfig
+
+
+class PhaseClock:
+    """Seconds per phase of one step, reported as time/<phase>: `with clock("train"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}": s for phase, s in self.seconds.items()}
 
 
 @dataclasses.dataclass
-class RunSetup:
-    """What a run starts from: built once per process by `setup_run`, then only read by the loop."""
-    run_dir: Path
+class Run:
+    """What the loop works with, built once per process by `build_run`."""
+    config: RunConfig
+    algorithm: DapoConfig
     procs: Any                # rl.multihost.Processes: this process's role among the JAX processes
-    cfg: Any                  # rl.dapo.DapoConfig
     codec: Any                # rl.codec.TextCodec: prompts ↔ token ids (chat template or not)
-    reward_fn: Callable
     model: Any                # learner_jax.model.Transformer (restored when resuming)
     model_config: Any
     optimizer: Any            # nnx.Optimizer (restored when resuming)
     learner: Any              # rl.learner.Learner
     ckpts: Any                # learner_jax.checkpoint.Checkpointer
     start_step: int           # 0, or the restored checkpoint's step
-    held_out: list            # the task's first eval_size held-out examples
-    budget: Any               # memory_plan.Budget or None
     survival: Any             # rl.update_survival.UpdateSurvival (its W_0: the starting checkpoint) or None
 
 
-def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correction, eval_size,
-              keep_checkpoints, warmstart_fn, chat_template, param_dtype, master_dtype, compute_dtype, mesh,
-              attention_impl, pack_sequences, share_prompts, max_tokens_per_micro_batch, logprob_chunk_tokens,
-              remat, memory_plan, update_survival_stride) -> RunSetup:
-    """Memory plan, warm start, model, optimizer, learner, checkpoint restore and held-out set, in the order
-    they depend on each other. Runs on every process. Every argument is train()'s of the same name (no
-    defaults here: train()'s signature is the one place they are set)."""
-    budget = None
-    if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
-        from portable_rl.memory_plan import prepare
-
-        budget = prepare(memory_plan)
-    import jax
+def build_run(*, run: RunConfig, algorithm: DapoConfig, correction: RolloutCorrectionConfig,
+              optimizer_factory: Optional[Callable], precision: PrecisionConfig, memory: MemoryConfig,
+              diagnostics: DiagnosticsConfig, mesh, budget, warmstart_fn: Optional[Callable]) -> Run:
+    """Warm start, model, optimizer, learner, the update-survival reference and the checkpoint restore, in the
+    order they depend on each other. Runs on every process, after the memory plan set XLA's allocator."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from portable_rl import tis
     from portable_rl.convert.hf import load_hf_model
-    from portable_rl.learner_jax.memory import MemoryConfig
-    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.learner_jax.checkpoint import Checkpointer
+    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.learner_jax.sharding import make_mesh
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.multihost import Processes
-    from portable_rl.tasks import get_reward
 
-    cfg = algorithm or DapoConfig()
-    memory = MemoryConfig(attention_impl=attention_impl, pack_sequences=pack_sequences, share_prompts=share_prompts,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                          logprob_chunk_tokens=logprob_chunk_tokens, remat=remat)
-    correction = correction or tis.RolloutCorrectionConfig(mode="token", clip=2.0)
-    run_dir = Path(run_dir)
+    run_dir, model_path = Path(run.run_dir), run.model_path
     run_dir.mkdir(parents=True, exist_ok=True)
     procs = Processes.current()  # several JAX processes: process 0 drives the engine (rl/multihost.py)
     if procs.multiple and mesh is None:
@@ -91,180 +97,172 @@ def setup_run(*, run_dir, model_path, task, algorithm, optimizer_factory, correc
             warmstart_fn(output_dir=model_path)
         procs.barrier("warm start written")
 
-    codec = TextCodec(model_path, chat_template=chat_template)
-    reward_fn = get_reward(task.reward)
-    model, model_config = load_hf_model(model_path, param_dtype=jnp.dtype(param_dtype),
-                                        compute_dtype=jnp.dtype(compute_dtype), **memory.model_kwargs())
+    model, model_config = load_hf_model(model_path, param_dtype=jnp.dtype(precision.param_dtype),
+                                        compute_dtype=jnp.dtype(precision.compute_dtype), **memory.model_kwargs())
     tx = (optimizer_factory or make_optimizer)()
-    if master_dtype and jnp.dtype(master_dtype) != jnp.dtype(param_dtype):
+    if precision.master_dtype and jnp.dtype(precision.master_dtype) != jnp.dtype(precision.param_dtype):
         # bf16 params + f32 master params in the optimizer state: small steps are kept, and the weight push
         # hands engines the model's own bf16 buffers without a cast (optim.with_master_weights).
-        tx = with_master_weights(tx, jnp.dtype(master_dtype))
+        tx = with_master_weights(tx, jnp.dtype(precision.master_dtype))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # Before the restore below, so a checkpoint lands directly in the sharded layout.
-    learner = Learner(model, optimizer, cfg, correction, mesh=make_mesh(mesh) if mesh is not None else None,
+    learner = Learner(model, optimizer, algorithm, correction, mesh=make_mesh(mesh) if mesh is not None else None,
                       memory=memory)
-
     survival = None
-    if update_survival_stride:  # its reference is the starting checkpoint, taken before a resume restores
+    if diagnostics.enabled("update_survival"):  # its reference is the starting checkpoint, taken before a restore
         from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
 
-        survival = UpdateSurvival(model_config, channel_stride=update_survival_stride)
+        survival = UpdateSurvival(model_config, channel_stride=diagnostics.update_survival_stride)
         survival.reference(learner_weights(model, optimizer))
-    ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=keep_checkpoints)
+    codec = TextCodec(model_path, chat_template=run.chat_template)
+    ckpts = Checkpointer(run_dir / "checkpoints", max_to_keep=run.keep_checkpoints)
     start_step = 0
     if ckpts.latest_step() is not None:
         start_step = ckpts.restore(model, optimizer).step
         print(f"[train] resumed from {run_dir / 'checkpoints'} at step {start_step}")
-    held_out = list(task.eval_examples())[:eval_size]
-    return RunSetup(run_dir=run_dir, procs=procs, cfg=cfg, codec=codec, reward_fn=reward_fn, model=model,
-                    model_config=model_config, optimizer=optimizer, learner=learner, ckpts=ckpts,
-                    start_step=start_step, held_out=held_out, budget=budget, survival=survival)
+    return Run(config=run, algorithm=algorithm, procs=procs, codec=codec, model=model, model_config=model_config,
+               optimizer=optimizer, learner=learner, ckpts=ckpts, start_step=start_step, survival=survival)
 
 
-def train(*, run_dir: str, train_steps: int, model_path: str, engine_factory: Callable, task,
-          algorithm=None, optimizer_factory: Optional[Callable] = None, correction=None, seed: int = 0,
-          eval_every: int = 10, eval_max_tokens: Optional[int] = None, eval_size: Optional[int] = None,
-          checkpoint_every: int = 10, keep_checkpoints: int = 2, warmstart_fn: Optional[Callable] = None,
-          chat_template: bool = False, probe_prompts: int = 4, param_dtype: str = "float32",
-          master_dtype: Optional[str] = "float32",
-          compute_dtype: str = "bfloat16", async_rollouts: bool = False,
-          mesh=None, attention_impl: str = "auto", pack_sequences: bool = True, share_prompts: bool = False,
-          max_tokens_per_micro_batch: Optional[int] = None, logprob_chunk_tokens: Optional[int] = None,
-          remat: str = "none", progress: bool = True, memory_plan=None,
-          update_survival_stride: int = 16, mismatch_split: bool = True,
-          smoothquant_alpha: Optional[float] = None) -> list[dict]:
+def rl_step(step: int, run: Run, side, diagnostics: list, timeshare, *, prefetch_next: bool) -> dict:
+    """One RL step (module doc) → its metrics row."""
+    from portable_rl.rl.rollout import check_nonfinite_fraction
+
+    clock, learner = PhaseClock(), run.learner
+    wait = "wait_rollouts" if run.config.async_rollouts else "rollouts"  # async: the main thread's idle time
+    with clock("step"):
+        with clock(wait):
+            batch, m, generate_seconds = side.rollouts(step, prefetch_next=prefetch_next)  # the same on every process
+        m["time/generate"] = generate_seconds  # async: measured in the generating thread
+        # NaN/inf rollout logprobs are masked out of the loss; too many mean a broken engine: stop.
+        check_nonfinite_fraction(m, run.algorithm.safety.max_nonfinite_fraction)
+        timeshare.learner_phase()  # sleep_engine: the engine's memory is the learner's until the push
+        if batch is not None:  # None: every group had equal rewards in every draw, nothing to learn from
+            with clock("logprob"):
+                prepared = learner.prepare(batch)  # old logprobs (none in bypass), rollout correction, micro-batches
+            m.update(prepared.metrics)
+            with clock("train"):
+                m.update(learner.update(prepared))
+        with clock(wait):
+            side.wait_rollouts()  # async: the engine must be idle before its weights change
+            timeshare.push_phase()  # weights back for the push; the KV cache only after it
+        with clock("sync"):
+            side.push(run.model, run.model_config)
+        timeshare.generate_phase()
+        for diagnostic in diagnostics:
+            with clock(diagnostic.name):
+                m.update(diagnostic.after_push())
+        if run.config.eval_every and (step % run.config.eval_every == 0 or step == run.config.train_steps):
+            with clock("eval"):
+                m.update(side.heldout())
+    return {**m, **clock.metrics(), **timeshare.metrics()}
+
+
+def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConfig = DapoConfig(),
+          correction: RolloutCorrectionConfig = RolloutCorrectionConfig(), optimizer_factory: Optional[Callable] = None,
+          precision: PrecisionConfig = PrecisionConfig(), memory: MemoryConfig = MemoryConfig(),
+          diagnostics: DiagnosticsConfig = DiagnosticsConfig(), mesh=None, memory_plan=None,
+          warmstart_fn: Optional[Callable] = None) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
-    `mesh`: a `learner_jax.sharding.MeshConfig` (data / fsdp / tensor axes over the local devices, or all
-    hosts' after `jax.distributed.initialize`); None runs the learner on one device. docs/scaling.md.
-    Several JAX processes (`python -m portable_rl.launch`): process 0 owns the engine and the logs, the
-    others follow it (rl/roles.py); every process runs the same sharded step and checkpoint.
-    Memory knobs (`learner_jax.memory.MemoryConfig`, docs/training.md "Memory knobs"): `attention_impl`
-    ('auto' | 'blockwise' | 'dense' | 'cudnn' | 'splash'), `pack_sequences`, `share_prompts` (a prompt's
-    answers share one copy of its tokens), `max_tokens_per_micro_batch`
-    (per batch shard; None: one call per mini-batch), `logprob_chunk_tokens` (None: whole head at once),
-    `remat` ('none' | 'full' | a checkpoint-policy name). Every setting computes the same update.
-    `update_survival_stride`: every k-th output channel of each projection is tracked across pushes for
-    `sync/quantized_changed_frac` / `sync/update_lost_frac` (rl/update_survival.py, docs/training.md); 0: off.
-    `mismatch_split`: with a probe (`probe_prompts` > 0), split its KL into `mismatch/quantization`,
-    `mismatch/kernels` (and, async, `mismatch/staleness`): one more learner forward on the probe rows
-    (rl/mismatch_split.py, docs/tis.md); False: off.
-    `smoothquant_alpha`: with an INT8 W8A8 engine, SmoothQuant factors (convert/smoothing.py) calibrated once
-    on the first training prompts and applied to every push (0.5 is SmoothQuant's default); None: off.
-    `memory_plan`: a `memory_plan.MemoryPlan` (or the `Budget` the CLI decided from gin/colocate.gin): the
-    learner's and the engine's share of each device, and with `sleep_engine` the engine sleeps through the
-    learner phase (rl/colocation.py). None: XLA's and the engine's defaults, the engine always awake.
+    Args:
+      run: the run: directory, steps, starting checkpoint, seeds, evaluation, checkpoints (`rl.RunConfig`).
+      engine_factory: builds the rollout engine: `engine_factory(model_path=..., **memory plan kwargs)`.
+      task: the prompts, answers and reward (`tasks.*`).
+      algorithm: DAPO / GRPO settings (`rl.DapoConfig`).
+      correction: the rollout correction (TIS and masks; `tis.RolloutCorrectionConfig`); its default: none.
+      optimizer_factory: builds the optax optimizer; None: `optim.make_optimizer()`.
+      precision: the learner's dtypes, the push's SmoothQuant, the learner's served view (`rl.PrecisionConfig`).
+      memory: the learner's memory strategy; every setting computes the same update (`learner.MemoryConfig`).
+      diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
+      mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
+      memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin); None: XLA's and
+        the engine's defaults, the engine always awake.
+      warmstart_fn: writes the starting checkpoint when `run.model_path` has none (`warmstart`).
     """
     from tqdm import tqdm
 
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.rl.colocation import TimeSharing
+    from portable_rl.rl.diagnostics import Serving, make_diagnostics
     from portable_rl.rl.metrics import MetricsWriter
     from portable_rl.rl.preemption import StopRequest
     from portable_rl.rl.roles import EngineSide, FollowerSide
     from portable_rl.rl.sync import smoothquant_for_run
-    from portable_rl.rl.rollout import check_nonfinite_fraction
-    from portable_rl.rl.update_survival import learner_weights
+    from portable_rl.tasks import get_reward
 
-    run = setup_run(run_dir=run_dir, model_path=model_path, task=task, algorithm=algorithm,
-                    optimizer_factory=optimizer_factory, correction=correction, eval_size=eval_size,
-                    keep_checkpoints=keep_checkpoints, warmstart_fn=warmstart_fn, chat_template=chat_template,
-                    param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype, mesh=mesh,
-                    attention_impl=attention_impl, pack_sequences=pack_sequences, share_prompts=share_prompts,
-                    max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                    logprob_chunk_tokens=logprob_chunk_tokens, remat=remat, memory_plan=memory_plan,
-                    update_survival_stride=update_survival_stride)
-    cfg, procs, codec, budget = run.cfg, run.procs, run.codec, run.budget
-    model, model_config, optimizer, learner, ckpts = run.model, run.model_config, run.optimizer, run.learner, run.ckpts
-    start_step, held_out, run_dir = run.start_step, run.held_out, run.run_dir
-    timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=async_rollouts)
+    budget = None
+    if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
+        from portable_rl.rl.colocation import prepare
+
+        budget = prepare(memory_plan)
+    held_out = list(task.eval_examples())[:run.eval_size]
+    reward_fn = get_reward(task.reward)
+    state = build_run(run=run, algorithm=algorithm, correction=correction, optimizer_factory=optimizer_factory,
+                      precision=precision, memory=memory, diagnostics=diagnostics, mesh=mesh, budget=budget,
+                      warmstart_fn=warmstart_fn)
+    procs, codec, gen = state.procs, state.codec, algorithm.generation
+    timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=run.async_rollouts)
     # Installed before the engine starts: a SIGTERM from here on stops the run after its next complete step.
     with StopRequest() as stop:
-        if procs.is_driver:  # the engine, the task draws, evaluation and the logs (rl/roles.py)
-            side = EngineSide(
-                writer=MetricsWriter(run_dir, resume_step=start_step if start_step else -1),  # fresh run: clear rows
-                engine=engine_factory(model_path=model_path, **(budget.engine_kwargs() if budget else {})),
-                codec=codec, task=task, reward_fn=run.reward_fn,
-                cfg=cfg, seed=seed, held_out=held_out,
-                probe_ids=[codec.encode_prompt(e.prompt) for e in held_out[:probe_prompts]],
-                greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=eval_max_tokens or cfg.max_response_tokens,
-                                      stop_token_ids=(codec.eos_id,)),
-                async_rollouts=async_rollouts, procs=procs,
-                mismatch_split=mismatch_split)
-        else:  # receives the driver's batches and joins every collective
-            side = FollowerSide(procs, cfg=cfg, pad_id=codec.pad_id)
-        timeshare.attach(getattr(side, "engine", None))  # only the engine's owner sleeps and wakes it
-        engine_quantization = procs.broadcast(getattr(getattr(side, "engine", None), "quantization", None))
-        if isinstance(side, FollowerSide):  # its share of the push quantizes as the driver's does
-            side.engine_quantization = engine_quantization
-        side.smoothing = smoothquant_for_run(smoothquant_alpha, model=model, codec=codec, task=task, run_dir=run_dir,
-                                             engine_quantization=engine_quantization, procs=procs)
-        survival = run.survival
-        if survival:  # every process computes it (the tracked weights are sharded like the params)
-            survival.serving(engine_quantization if side.smoothing is None else f"{engine_quantization}+smoothquant")
-            if survival.note and procs.is_driver:
-                print(survival.note, flush=True)
-        rows = []
+        # The driver owns the engine (rl/roles.py); every process learns what it serves.
+        engine = engine_factory(model_path=run.model_path, **(budget.engine_kwargs() if budget else {})) \
+            if procs.is_driver else None
         try:
+            quantization = procs.broadcast(getattr(engine, "quantization", None))
+            serving = Serving(quantization, smoothquant_for_run(
+                precision.smoothquant_alpha, model=state.model, codec=codec, task=task, run_dir=run.run_dir,
+                engine_quantization=quantization, procs=procs))
+            if precision.learner_precision == "engine":  # every process: its forwards use the served weights
+                state.learner.serve_weights_as(serving.quantization, serving.smoothing)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
+        if engine is not None:  # the engine, the task draws, evaluation and the logs
+            side = EngineSide(
+                engine=engine, serving=serving, writer=MetricsWriter(run.run_dir, resume_step=state.start_step or -1),
+                codec=codec, task=task, reward_fn=reward_fn, cfg=algorithm, seed=run.seed, held_out=held_out,
+                async_rollouts=run.async_rollouts, procs=procs,
+                greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=run.eval_max_tokens or gen.max_response_tokens,
+                                      stop_token_ids=(codec.eos_id,)))
+        else:  # receives the driver's batches and joins every collective
+            side = FollowerSide(procs, serving=serving, cfg=algorithm, pad_id=codec.pad_id)
+        try:
+            timeshare.attach(engine)  # only the engine's owner sleeps and wakes it
             t_sync = time.perf_counter()
-            if survival:  # the weights of the first push: the reference of the next one
-                survival.measure(learner_weights(model, optimizer))
-            if start_step or side.smoothing is not None:  # the engine loaded the starting checkpoint unsmoothed;
-                side.push(model, model_config)              # give it the restored (or smoothed) policy
-            if not start_step:
+            if state.start_step or serving.smoothing is not None:  # the engine loaded the starting checkpoint
+                side.push(state.model, state.model_config)          # unsmoothed: give it the restored/smoothed policy
+            hooks = make_diagnostics(
+                diagnostics, engine=engine, learner=state.learner, model=state.model, optimizer=state.optimizer,
+                survival=state.survival, serving=serving, staleness=run.async_rollouts, procs=procs,
+                probe_prompts=[codec.encode_prompt(e.prompt) for e in held_out[:diagnostics.probe_prompts]],
+                temperature=gen.temperature, max_tokens=gen.max_response_tokens, pad_id=codec.pad_id)
+            rows = []
+            if not state.start_step:
                 rows.append(side.write(0, {**side.heldout(), "time/sync": time.perf_counter() - t_sync}))
-            last_heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
-            bar = tqdm(range(start_step + 1, train_steps + 1), initial=start_step, total=train_steps,
-                       desc="train", disable=not progress or not procs.is_driver, dynamic_ncols=True)
+            heldout = rows[-1].get("accuracy/heldout", float("nan")) if rows else float("nan")
+            bar = tqdm(range(state.start_step + 1, run.train_steps + 1), initial=state.start_step,
+                       total=run.train_steps, desc="train", dynamic_ncols=True,
+                       disable=None if procs.is_driver else True)  # None: shown on a terminal only
             for step in bar:
-                t0 = time.perf_counter()
-                # The same batch and step metrics on every process (the driver's broadcast).
-                batch, m, gen_seconds = side.rollouts(step, prefetch_next=step < train_steps and not stop.requested)
-                # NaN/inf rollout logprobs are masked out of the loss; too many mean a broken engine: stop.
-                check_nonfinite_fraction(m, cfg.max_nonfinite_fraction)
-                timeshare.learner_phase()  # sleep_engine: the engine's memory is the learner's until the push
-                t1 = time.perf_counter()
-                if batch is not None:
-                    prepared = learner.prepare(batch)   # old logprobs (none in bypass), rollout correction, micro-batches
-                    m.update(prepared.metrics)
-                    t2 = time.perf_counter()
-                    m.update(learner.update(prepared))
-                else:  # every group had equal rewards in every draw: nothing to learn from this step
-                    t2 = time.perf_counter()
-                t3 = time.perf_counter()
-                side.wait_rollouts()  # async: the engine must be idle before its weights change
-                timeshare.push_phase()  # weights back for the push; the KV cache only after it
-                t_push = time.perf_counter()
-                side.push(model, model_config)
-                t4 = time.perf_counter()
-                if survival:  # of the weights just pushed; outside time/sync and time/wait_rollouts
-                    m.update(survival.measure(learner_weights(model, optimizer)))
-                    m["time/update_survival"] = time.perf_counter() - t4
-                timeshare.generate_phase()
-                if probe_prompts:
-                    m.update(side.probe(learner))
-                if eval_every and (step % eval_every == 0 or step == train_steps):
-                    m.update(side.heldout())
-                m.update({"time/generate": gen_seconds, "time/logprob": t2 - t1, "time/train": t3 - t2,
-                          "time/sync": t4 - t_push, "time/step": time.perf_counter() - t0})
-                m.update(timeshare.metrics())
-                if async_rollouts:  # time the main thread sat idle waiting for rollouts
-                    m["time/wait_rollouts"] = (t1 - t0) + (t_push - t3)
+                m = rl_step(step, state, side, hooks, timeshare,
+                            prefetch_next=step < run.train_steps and not stop.requested)
                 rows.append(side.write(step, m))
-                last_heldout = m.get("accuracy/heldout", last_heldout)
-                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{last_heldout:.2f}")
+                heldout = m.get("accuracy/heldout", heldout)
+                bar.set_postfix(reward=f"{m['reward/mean']:.2f}", heldout_acc=f"{heldout:.2f}")
                 stop_now = procs.any(stop.requested)  # a SIGTERM on any process stops all at this step
-                if step % checkpoint_every == 0 or step == train_steps or stop_now:
-                    ckpts.save(step, model, optimizer, extra={"seed": seed, "model_path": str(model_path)})
+                if step % run.checkpoint_every == 0 or step == run.train_steps or stop_now:
+                    state.ckpts.save(step, state.model, state.optimizer,
+                                     extra={"seed": run.seed, "model_path": str(run.model_path)})
                 if stop_now:
                     print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to "
                           "resume", flush=True)
                     break
-            ckpts.close()
+            state.ckpts.close()
         finally:
             side.close()
-    side.plots(run_dir)
+    side.plots(run.run_dir)
     return rows
 
 
@@ -274,7 +272,7 @@ def main(configured_train: Callable = train):
 
     budget = gin_utils.memory_budget()  # gin/colocate.gin; decided before JAX starts its devices
     driver = Processes.current().is_driver  # the run directory's files are written once, by process 0
-    run_dir = gin_utils.query_value("train.run_dir")
+    run_dir = gin_utils.query_value("rl.RunConfig.run_dir")
     if driver:
         gin_utils.write_config(run_dir, "config.gin")
     rows = configured_train(memory_plan=budget) if budget is not None else configured_train()
@@ -284,14 +282,27 @@ def main(configured_train: Callable = train):
     print(f"[train] done: {run_dir} (step {last.get('step')}, held-out accuracy {last.get('accuracy/heldout')})")
 
 
+def register_gin() -> Callable:
+    """`train` and the warm start its default run names (`train.warmstart_fn = @warmstart`) registered with gin;
+    returns the configured `train` (what the CLI runs)."""
+    from portable_rl import gin_utils
+    from portable_rl.warmstart import warmstart
+
+    gin_utils.register_configurable(warmstart, name="warmstart")
+    return gin_utils.register_train(train)
+
+
 def cli(argv=None):
     """Console entry point: parses --gin_file / --gin.NAME=VALUE flags and runs `train`. Joins the other JAX
     processes first when the environment names them (`portable_rl.launch`, docs/scaling.md)."""
+    from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+    prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
     from portable_rl.launch import fail_fast, initialize_from_environment
 
     several = initialize_from_environment()
-    configured = gin_utils.register_configurable(train, name="train")
+    configured = register_gin()
     run = lambda: gin_utils.run(lambda: main(configured), argv, description=__doc__.splitlines()[0])  # noqa: E731
     fail_fast(run) if several else run()  # several processes: an error must not wait for the others
 

@@ -19,8 +19,8 @@ import tempfile
 
 import pytest
 
-# Files by their time in one process on a 2-core Zen 3 box, 2026-12-02 (docs/benchmarks.md "Test suite
-# time"; 248 s down to 76 s); every other file takes under a minute and keeps pytest's order after these.
+# Files by their time in one process on a 2-core Zen 3 box, 2026-12-02 (docs/experiments/test_suite_time.md;
+# 248 s down to 76 s); every other file takes under a minute and keeps pytest's order after these.
 SLOWEST_FIRST = ("test_smollm2_recipe.py", "test_train_async_faults.py", "test_multihost.py",
                  "test_benchmarks_smoke.py", "test_bad_input.py", "test_train_e2e.py", "test_engines_ray.py",
                  "test_smollm2.py", "test_attention.py", "test_multihost_launch.py")

@@ -91,16 +91,16 @@ CLI_CASES = {
                                             "point MODEL_PATH at a checkpoint"),
     "checkpoint": (["--gin.RUN_DIR={run}"], "{run}/checkpoints/4 cannot be restored"),
     # (no dynamic sampling: the random model's groups all score 0 and would all be dropped before the learner)
-    "budget": (["--gin.train.max_tokens_per_micro_batch=4", "--gin.rl.DapoConfig.dynamic_sampling=False"],
-               "does not fit train.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
+    "budget": (["--gin.learner.MemoryConfig.max_tokens_per_micro_batch=4", "--gin.rl.DataConfig.dynamic_sampling=False"],
+               "does not fit learner.MemoryConfig.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
     # the learner's memory knobs (learner_jax.memory.MemoryConfig, learner_jax.attention)
-    "attention": (["--gin.train.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
+    "attention": (["--gin.learner.MemoryConfig.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
                                                           "use 'blockwise' (or 'auto')"),
-    "remat": (["--gin.train.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
-    "algorithm": (["--gin.rl.DapoConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
+    "remat": (["--gin.learner.MemoryConfig.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
+    "algorithm": (["--gin.rl.GenerationConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
     "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
     # bypass keeps the default run's token TIS: the weights would count the PPO ratio's IS twice
-    "bypass": (["--gin.rl.DapoConfig.policy_loss_mode='bypass'"],
+    "bypass": (["--gin.rl.LossConfig.policy_loss_mode='bypass'"],
                "set tis.RolloutCorrectionConfig.mode = 'none' with no masks, or policy_loss_mode = 'decoupled'"),
     "task_setting": (["--gin.tasks.ArithmeticTask.num_digits=0"], "num_digits=0 must be >= 1"),
 }
@@ -118,7 +118,7 @@ def test_cli_bad_input_ends_with_one_line(case, cli_inputs, tmp_path):
     flags, expected = CLI_CASES[case]
     fill = {k: str(v) for k, v in cli_inputs.items()}
     args = ["--gin_file=gin/dapo_fp8.gin", f"--gin.RUN_DIR={tmp_path / 'run'}", f"--gin.MODEL_PATH={cli_inputs['model']}",
-            "--gin.TRAIN_STEPS=1", "--gin.train.progress=False"] + [f.format(**fill) for f in flags]
+            "--gin.TRAIN_STEPS=1"] + [f.format(**fill) for f in flags]
     env = {k: v for k, v in os.environ.items() if k != "PORTABLE_RL_TRACEBACK"}
     proc = subprocess.run([sys.executable, "-m", "portable_rl.train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=env)
@@ -158,9 +158,9 @@ def test_evaluate_cli_bad_input_ends_with_one_line(case, cli_inputs):
 
 def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_configurable(train, name="train")
+    register_gin()
     gin_utils.register_library()
     import gin
 
@@ -176,10 +176,11 @@ def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
             gin.clear_config()
         raise AssertionError(f"{binding} parsed")
 
-    assert "(did you mean 'n_samples'?)" in message("rl.DapoConfig.n_sample = 4")
-    assert "(did you mean 'eval_size'?)" in message("train.eval_sise = 4")
+    assert "(did you mean 'n_samples'?)" in message("rl.GenerationConfig.n_sample = 4")
+    assert "(did you mean 'eval_size'?)" in message("rl.RunConfig.eval_sise = 4")
+    assert "(it moved: set rl.GenerationConfig.n_samples)" in message("rl.DapoConfig.n_samples = 4")
     unrelated = message("train.zzz = 1")
-    assert "parameters of train: run_dir, train_steps, model_path" in unrelated and "\n" not in unrelated
+    assert "parameters of train: run, engine_factory, task, algorithm" in unrelated and "\n" not in unrelated
 
 
 def test_every_user_facing_error_is_a_user_error():
@@ -188,8 +189,7 @@ def test_every_user_facing_error_is_a_user_error():
     from portable_rl.engines.ray_fleet import FleetStartTimeoutError
     from portable_rl.engines.registry import UnknownEngineError
     from portable_rl.engines.vllm_adapter import WeightUpdateError
-    from portable_rl.errors import ConfigError, UnknownNameError, UserError
-    from portable_rl.gin_utils import user_error_types
+    from portable_rl.errors import USER_ERRORS, ConfigError, UnknownNameError, UserError
     from portable_rl.learner_jax.checkpoint import CheckpointError
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.rl.batching import MicroBatchBudgetError
@@ -202,10 +202,10 @@ def test_every_user_facing_error_is_a_user_error():
                          (VocabularyMismatchError, ValueError), (NonFiniteLogprobsError, RuntimeError),
                          (MicroBatchBudgetError, ValueError), (CheckpointError, RuntimeError),
                          (ConfigError, ValueError), (GgufNotFoundError, FileNotFoundError)]:
-        assert issubclass(cls, builtin) and isinstance(cls("x"), user_error_types()), cls
+        assert issubclass(cls, builtin) and isinstance(cls("x"), USER_ERRORS), cls
     assert issubclass(UnknownEngineError, UnknownNameError) and issubclass(UnknownRewardError, UnknownNameError)
     assert str(UnknownEngineError("unknown engine 'x'")) == "unknown engine 'x'"    # no KeyError quotes
-    assert not isinstance(ValueError("a bug"), user_error_types())                   # a plain error keeps its traceback
+    assert not isinstance(ValueError("a bug"), USER_ERRORS)                         # a plain error keeps its traceback
     for kwargs in (dict(remat="dots"), dict(attention_impl="flash"), dict(max_tokens_per_micro_batch=0)):
         with pytest.raises(UserError):
             MemoryConfig(**kwargs)
@@ -367,13 +367,14 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     from portable_rl.engines import create_engine
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.dapo import build_batch
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.rollout import NonFiniteLogprobsError, check_nonfinite_fraction, collect_groups
     from portable_rl.tasks import ArithmeticTask, get_reward
 
     path = str(cli_inputs["model"])
-    cfg = DapoConfig(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
+    cfg = dapo_config(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
                      max_response_tokens=8, mini_batch_size=2, temperature=1.0)
     codec, task = TextCodec(path), ArithmeticTask(num_eval=10)
     with create_engine("vllm", model_path=path, max_model_len=64) as real:
@@ -388,7 +389,7 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     batch, _ = build_batch(cfg, groups, codec.pad_id)
     assert all(np.isfinite(v).all() for v in batch.values())
     # The same batch from the clean rollouts with exactly those tokens masked by hand: what masking must equal.
-    clean_groups = [dataclasses.replace(g, rollouts=clean[k * cfg.n_samples:(k + 1) * cfg.n_samples])
+    clean_groups = [dataclasses.replace(g, rollouts=clean[k * cfg.generation.n_samples:(k + 1) * cfg.generation.n_samples])
                     for k, g in enumerate(groups)]
     expected, _ = build_batch(cfg, clean_groups, codec.pad_id)
     for i, t in bad:
@@ -415,4 +416,4 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     with pytest.raises(NonFiniteLogprobsError, match=rf"returned {len(bad)} non-finite logprobs \(.*% of the step's "
                                                      rf"response tokens\) > max_nonfinite_fraction=0.01: check the "
                                                      rf"engine's dtype / quantization"):
-        check_nonfinite_fraction(stats, max_fraction=cfg.max_nonfinite_fraction)
+        check_nonfinite_fraction(stats, max_fraction=cfg.safety.max_nonfinite_fraction)

@@ -101,7 +101,7 @@ def _package_import_graph() -> dict[str, set[str]]:
 def test_no_import_circles():
     """No two modules import each other, even lazily (issue 15: gin_utils ↔ warmstart was the one circle)."""
     graph = _package_import_graph()
-    assert "portable_rl.rl.warmstart" in graph["portable_rl.gin_utils"]   # the graph sees function-level imports
+    assert "portable_rl.gin_utils" in graph["portable_rl.warmstart"]   # the graph sees function-level imports
 
     def reaches(start, goal, seen):
         return any(d == goal or (d not in seen and not seen.add(d) and reaches(d, goal, seen)) for d in graph[start])
@@ -120,3 +120,29 @@ def test_rl_package_docstring_names_only_its_modules():
     assert len(named) > 5
     missing = [n for n in named if not (PKG / "rl" / f"{n}.py").is_file()]
     assert not missing, f"rl/__init__.py names missing modules: {missing}"
+
+
+def test_importing_the_package_writes_no_environment_and_patches_nothing():
+    """Environment writes and vLLM patches happen where an entry point or engine starts, never on import:
+    every portable_rl module is imported (JAX first: it sets its own variables) and nothing changed."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, os, pkgutil, jax, portable_rl; before = dict(os.environ); "
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(portable_rl.__path__, 'portable_rl.')]; "
+            "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}; "
+            "assert not changed, changed; "
+            "from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8; "
+            "assert not (vllm_cpu_fp8._PATCHED or vllm_cpu_int8._PATCHED), 'a vLLM patch was applied on import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_entry_points_import_no_torch_before_their_cli_sets_openmp():
+    """The CLIs set OMP_WAIT_POLICY before anything loads torch's OpenMP runtime (read once, at load): importing
+    an entry point module must not import torch."""
+    import subprocess
+    import sys
+
+    for module in ("portable_rl.train", "portable_rl.evaluate", "portable_rl.warmstart"):
+        code = f"import sys, {module}; assert 'torch' not in sys.modules, '{module} imports torch at import'"
+        subprocess.run([sys.executable, "-c", code], check=True)

@@ -65,17 +65,19 @@ def tiny(tmp_path_factory):
 
 def _budget(model_path, sleep_engine=True):
     """A decided plan for a pretend 4 GB device (no GPU here), with nothing taken from this environment."""
-    from portable_rl.memory_plan import MemoryPlan
+    from portable_rl.rl.colocation import MemoryPlan
 
     return MemoryPlan(learner_peak_gb=0.5, model_path=model_path, sleep_engine=sleep_engine, max_model_len=64,
                       device_memory_gb=4.0, engine_overhead_gb=0.5, engine_asleep_gb=0.2,
                       reserve_gb=0.5).decide(environ={})
 
 
-def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True, **train_kwargs):
+def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True):
     from portable_rl.rl import learner as learner_module
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.rl.config import RunConfig
+    from portable_rl.rl.config import DiagnosticsConfig
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.train import train
 
@@ -92,14 +94,15 @@ def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True, **train_k
         built.append(kwargs)
         return RecordingEngine(log, TextCodec(model_path).eos_id, partial=partial)
 
-    cfg = DapoConfig(prompt_batch_size=2, n_samples=2, dynamic_sampling=False, max_gen_batches=1,
+    cfg = dapo_config(prompt_batch_size=2, n_samples=2, dynamic_sampling=False, max_gen_batches=1,
                      max_response_tokens=4, mini_batch_size=2)
     from portable_rl.learner_jax.optim import make_optimizer
 
-    rows = train(run_dir=str(run_dir), train_steps=steps, model_path=tiny, engine_factory=engine_factory,
-                 optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
-                 task=ArithmeticTask(num_digits=1, num_eval=2, seed=0), algorithm=cfg, eval_every=0,
-                 probe_prompts=1, checkpoint_every=1, progress=False, memory_plan=budget, **train_kwargs)
+    rows = train(run=RunConfig(run_dir=str(run_dir), train_steps=steps, model_path=tiny, eval_every=0,
+                               checkpoint_every=1),
+                 engine_factory=engine_factory, optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
+                 task=ArithmeticTask(num_digits=1, num_eval=2, seed=0), algorithm=cfg,
+                 diagnostics=DiagnosticsConfig(probe_prompts=1), memory_plan=budget)
     return rows, built
 
 

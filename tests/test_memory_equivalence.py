@@ -23,7 +23,8 @@ LEAN = dict(attention_impl="blockwise" if "blockwise" in attention.IMPLS else "d
 def setup(tmp_path_factory):
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.rl.dapo import DapoConfig, build_batch
+    from portable_rl.rl.dapo import build_batch
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.testing import make_tiny_checkpoint
@@ -31,19 +32,19 @@ def setup(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("equiv") / "model", dtype="float32")
     codec = TextCodec(path)
     # gin/dapo_fp8.gin's algorithm with 4 prompts per step, 2 per mini-batch (two optimizer updates)
-    cfg = DapoConfig(prompt_batch_size=4, mini_batch_size=2, n_samples=8, dynamic_sampling=True,
+    cfg = dapo_config(prompt_batch_size=4, mini_batch_size=2, n_samples=8, dynamic_sampling=True,
                      max_response_tokens=8, overlong_buffer=2, overlong_penalty=1.0, advantage="grpo",
                      clip_eps_low=0.2, clip_eps_high=0.28, loss_aggregation="token-mean", temperature=1.0)
     rng = np.random.default_rng(0)
     groups = []
-    for example in ArithmeticTask().train_batch(0, 0, cfg.prompt_batch_size):
+    for example in ArithmeticTask().train_batch(0, 0, cfg.data.prompt_batch_size):
         prompt = codec.encode_prompt(example.prompt)
         rollouts = []
-        for _ in range(cfg.n_samples):  # 1-8 response tokens, logprobs near a vocab-128 random model's
-            response = rng.integers(3, 98, rng.integers(1, cfg.max_response_tokens + 1)).tolist()
+        for _ in range(cfg.generation.n_samples):  # 1-8 response tokens, logprobs near a vocab-128 random model's
+            response = rng.integers(3, 98, rng.integers(1, cfg.generation.max_response_tokens + 1)).tolist()
             logps = (-np.log(128) + 0.3 * rng.standard_normal(len(response))).tolist()
             rollouts.append(Rollout(0, prompt, response, logps, "length"))
-        groups.append(ScoredGroup(example, rollouts, rng.integers(0, 2, cfg.n_samples).astype(np.float32)))
+        groups.append(ScoredGroup(example, rollouts, rng.integers(0, 2, cfg.generation.n_samples).astype(np.float32)))
     batch, _ = build_batch(cfg, groups, codec.pad_id)
     return path, cfg, batch
 
@@ -52,7 +53,9 @@ _STEPS = {}
 
 
 def one_step(path, cfg, batch, knobs):
-    """(PreparedBatch, update metrics) of one learner step with `knobs`, computed once per knob set."""
+    """(PreparedBatch, update metrics, old logprobs [N, T]) of one learner step with `knobs`, computed once per
+    knob set. The old logprobs: `Learner.old_logprobs` before the step (the PreparedBatch's are 0 on the first
+    mini-batch, whose update computes them: LossConfig.old_logprobs_from_update)."""
     key = (str(path), tuple(sorted(knobs.items())))
     if key not in _STEPS:
         _STEPS[key] = _one_step(path, cfg, batch, knobs)
@@ -76,15 +79,16 @@ def _one_step(path, cfg, batch, knobs):
                         weight_decay=0.0, max_grad_norm=1.0)
     learner = Learner(model, nnx.Optimizer(model, tx, wrt=nnx.Param), cfg,
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0), memory=memory)
+    old = learner.old_logprobs(batch)
     prepared = learner.prepare(batch)
-    return prepared, learner.update(prepared)
+    return prepared, learner.update(prepared), old
 
 
 @pytest.mark.slow  # two learners of the default tiny model compiled (~1 min on 2 busy cores)
 def test_memory_knobs_give_the_same_step(setup):
     path, cfg, batch = setup
-    ref_prepared, ref = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, lean = one_step(path, cfg, batch, LEAN)
+    ref_prepared, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, lean, lean_old = one_step(path, cfg, batch, LEAN)
     assert ref_prepared.metrics["batch/micro_batches"] == 2 < lean_prepared.metrics["batch/micro_batches"]
     assert lean_prepared.metrics["batch/padding_fraction"] < ref_prepared.metrics["batch/padding_fraction"]
     assert ref["train/grad_norm"] > 0 and ref["train/loss"] != 0
@@ -95,7 +99,7 @@ def test_memory_knobs_give_the_same_step(setup):
     for k, want in ref_prepared.metrics.items():
         if k.startswith("tis/"):
             assert lean_prepared.metrics[k] == pytest.approx(want, rel=1e-4, abs=1e-6), k
-    np.testing.assert_allclose(lean_prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lean_old, ref_old, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # two more learners of the default tiny model compiled (the first test's two are reused)
@@ -104,11 +108,11 @@ def test_shared_prompts_give_the_same_step(setup):
     sequence per row, on fewer tokens: with 64-token micro-batches (groups split into units that fit)
     and in one call per mini-batch (dense attention)."""
     path, cfg, batch = setup
-    ref_prepared, ref = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, _ = one_step(path, cfg, batch, LEAN)
+    _, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, _, _ = one_step(path, cfg, batch, LEAN)
     for knobs in (dict(LEAN, share_prompts=True), dict(REFERENCE, pack_sequences=True, share_prompts=True)):
-        prepared, got = one_step(path, cfg, batch, knobs)
+        prepared, got, old = one_step(path, cfg, batch, knobs)
         assert prepared.metrics["batch/learner_tokens"] < 0.8 * lean_prepared.metrics["batch/learner_tokens"], knobs
         for k, want in ref.items():
             assert got[k] == pytest.approx(want, rel=1e-4, abs=1e-6), (k, knobs)
-        np.testing.assert_allclose(prepared.old_logprobs, ref_prepared.old_logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(old, ref_old, rtol=1e-5, atol=1e-5)

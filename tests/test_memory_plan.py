@@ -1,4 +1,4 @@
-"""The memory plan (portable_rl/memory_plan.py): the formula on a Qwen3-8B-shaped checkpoint (header only),
+"""The memory plan (portable_rl/rl/colocation.py): the formula on a Qwen3-8B-shaped checkpoint (header only),
 the environment the user set winning, one-line errors naming the knob, and the CLI stopping before anything
 loads. No JAX, no device: the plan is decided before either exists."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from portable_rl.errors import UserError
-from portable_rl.memory_plan import (ALLOCATOR, GB, MEM_FRACTION, PREALLOCATE, MemoryPlan, MemoryPlanError,
-                                     checkpoint_bytes, kv_bytes_per_token)
+from portable_rl.rl.colocation import (ALLOCATOR, GB, MEM_FRACTION, PREALLOCATE, MemoryPlan, MemoryPlanError,
+                                        checkpoint_bytes, kv_bytes_per_token)
 from portable_rl.testing.shapes_only import write_shapes_only_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def test_a_plan_that_cannot_fit_is_one_line_naming_the_knob(qwen3_8b, kw, knob):
 
 
 def test_no_gpu_means_nothing_is_set(qwen3_8b, monkeypatch):
-    monkeypatch.setattr("portable_rl.memory_plan.detect_device_memory", lambda: (None, 0, "no nvidia-smi"))
+    monkeypatch.setattr("portable_rl.rl.colocation.detect_device_memory", lambda: (None, 0, "no nvidia-smi"))
     env = {}
     b = plan(qwen3_8b, device_memory_gb=None).decide(environ=env)
     assert not b.active and b.engine_kwargs() == {} and b.apply(env) == {} and env == {}
@@ -118,13 +118,13 @@ def test_gin_file_binds_the_plan_and_the_cli_applies_it(qwen3_8b, monkeypatch, c
     import gin
 
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     for key in (PREALLOCATE, MEM_FRACTION, ALLOCATOR):
         monkeypatch.delenv(key, raising=False)  # restored after the test
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{qwen3_8b}'", "LEARNER_PEAK_GB = 85.9", "DEVICE_MEMORY_GB = 141.0",
                              "LEARNER_SHARDS = 8", "MAX_MODEL_LEN = 22528"])
@@ -142,11 +142,11 @@ def test_default_config_binds_no_plan():
     import gin
 
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/dapo_fp8.gin"])
         assert gin_utils.memory_budget() is None
     finally:
@@ -173,7 +173,7 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
     import gin
 
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
     qwen2_5_7b = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
@@ -183,7 +183,7 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     gin.clear_config()
     try:
-        gin_utils.register_configurable(train, name="train")
+        register_gin()
         gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{path}'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'",
                              "LEARNER_PEAK_GB = 68", "LEARNER_SHARDS = 8", "ENGINE_TENSOR_PARALLEL = 8",

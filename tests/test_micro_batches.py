@@ -21,7 +21,7 @@ from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.learner_jax.optim import make_optimizer
 from portable_rl.rl.batching import MicroBatchBudgetError, pack_rollouts
-from portable_rl.rl.dapo import DapoConfig
+from portable_rl.testing.configs import dapo_config
 from portable_rl.rl.learner import Learner
 
 CFG = ModelConfig(family="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -50,7 +50,7 @@ TX = make_optimizer(learning_rate=1e-2, eps=1e-3, weight_decay=0.01)
 def run_update(memory, aggregation, batch, mesh=None):
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
-    alg = DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=4, loss_aggregation=aggregation,
+    alg = dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=4, loss_aggregation=aggregation,
                      max_response_tokens=32)
     learner = Learner(model, optimizer, alg, CORRECTION, memory=memory, mesh=mesh)
     before = jax.tree.map(np.array, nnx.state(model, nnx.Param))
@@ -94,22 +94,22 @@ def test_micro_batches_give_the_one_call_update(aggregation, batch):
 def test_sequence_over_the_token_budget_is_a_one_line_error(batch):
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param),
-                      DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=4), CORRECTION,
+                      dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=4), CORRECTION,
                       memory=MemoryConfig(max_tokens_per_micro_batch=16))
     longest = int(batch["seq_len"].max())
     with pytest.raises(MicroBatchBudgetError) as e:
         learner.prepare(batch)
     assert str(e.value) == (f"a sequence of {longest} tokens (prompt + response) does not fit "
-                            f"train.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
+                            f"learner.MemoryConfig.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
                             f"least {longest}")
     assert isinstance(e.value, ValueError)
 
 
-def test_correct_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batch):
+def test_prepare_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batch):
     keys = {k: v.copy() for k, v in batch.items()}
     model = Transformer(CFG, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
     learner = Learner(model, nnx.Optimizer(model, make_optimizer(learning_rate=1e-3), wrt=nnx.Param),
-                      DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=4), CORRECTION)
+                      dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=4), CORRECTION)
     prepared = learner.prepare(batch)
     assert batch.keys() == keys.keys() and all(np.array_equal(batch[k], v) for k, v in keys.items())
     assert {"batch/padding_fraction", "batch/rows", "batch/row_tokens", "tis/kl"} <= prepared.metrics.keys()
@@ -122,10 +122,9 @@ def test_correct_leaves_the_batch_alone_and_update_needs_the_prepared_batch(batc
 
 # ------------------------------------------------------------------------------ 2 host devices
 MESH_SCRIPT = textwrap.dedent(r'''
-    import json, sys
+    import json
     import numpy as np
-    sys.path.insert(0, "tests")
-    from test_micro_batches import MemoryConfig, ragged_batch, run_update
+    from tests.test_micro_batches import MemoryConfig, ragged_batch, run_update   # cwd: the repository root
     import jax
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 

@@ -16,13 +16,13 @@ from portable_rl import tis
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
 from portable_rl.engines.base import Rollout
-from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
-from portable_rl.rl.dapo import DapoConfig
+from portable_rl.testing.configs import dapo_config
 from portable_rl.rl.learner import Learner
-from portable_rl.rl.mismatch_split import MismatchSplit, quantized_learner, with_quantized_projections
-from portable_rl.rl.sync import follow_probe, probe_rows, run_probe
+from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving, probe_rows
+from portable_rl.rl.mismatch_split import quantized_learner, with_quantized_projections
+from portable_rl.rl.multihost import Processes
 from portable_rl.learner_jax.quantize import served_fp8_per_channel
 from portable_rl.rl.update_survival import projection_paths
 from portable_rl.testing.perturb import perturbed
@@ -36,9 +36,21 @@ PROBE = dict(temperature=1.0, max_tokens=8, pad_id=0)
 
 def make_learner(param_dtype=jnp.float32):
     model = Transformer(CONFIG, param_dtype=param_dtype, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    cfg = DapoConfig(prompt_batch_size=3, mini_batch_size=3, n_samples=2, max_response_tokens=8, temperature=1.0)
+    cfg = dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=2, max_response_tokens=8, temperature=1.0)
     return Learner(model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param), cfg,
                    tis.RolloutCorrectionConfig(mode="none"))
+
+
+def diagnostics(engine, learner, *, split=True, staleness=False, procs=Processes(), quantization=None):
+    """The probe and (with `split`) the mismatch split after it, as the step builds them (rl/diagnostics.py);
+    `quantization`: what the driver's engine serves (a follower has no engine)."""
+    probe = ProbeDiagnostic(engine=engine, learner=learner, prompts=PROMPTS, **PROBE, procs=procs)
+    serving = Serving(engine.quantization if engine is not None else quantization)
+    return [probe] + ([MismatchSplitDiagnostic(probe=probe, serving=serving, staleness=staleness)] if split else [])
+
+
+def after_push(hooks) -> dict:
+    return {k: v for hook in hooks for k, v in hook.after_push().items()}
 
 
 def learner_logprobs(learner):
@@ -95,18 +107,17 @@ def test_bf16_engine_is_all_kernels():
     learner = make_learner()
     own = learner_logprobs(learner)
     engine = ScriptedEngine(None, lambda: noisy(own, 0.01, seed=0))
-    m = run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+    m = after_push(diagnostics(engine, learner))
     assert m["mismatch/quantization"] == 0.0 and m["mismatch/quantization_max_abs_diff"] == 0.0
     assert m["mismatch/kernels"] == m["probe/kl"] > 0 and m["mismatch/interaction"] == 0.0
     assert m["mismatch/kernels_max_abs_diff"] == m["probe/max_abs_diff"]
-    assert "mismatch/staleness" not in m and m["time/mismatch_split"] >= 0 and m["time/probe"] >= 0
+    assert "mismatch/staleness" not in m
 
 
 def test_engine_serving_quantized_weights_is_all_quantization():
     learner = make_learner()
     served = learner_logprobs(quantized_learner(learner, "fp8_per_channel"))  # what an exact fp8 engine returns
-    m = run_probe(ScriptedEngine("fp8_per_channel", lambda: served), learner, PROMPTS, **PROBE,
-                  split=MismatchSplit())
+    m = after_push(diagnostics(ScriptedEngine("fp8_per_channel", lambda: served), learner))
     assert m["mismatch/kernels"] == 0.0 and m["mismatch/kernels_max_abs_diff"] == 0.0
     assert m["mismatch/quantization"] == pytest.approx(m["probe/kl"], rel=1e-12) and m["probe/kl"] > 0
 
@@ -115,7 +126,7 @@ def test_parts_add_up_to_probe_kl():
     learner = make_learner()
     served = learner_logprobs(quantized_learner(learner, "fp8_per_channel"))
     engine = ScriptedEngine("fp8_per_channel", lambda: noisy(served, 0.02, seed=1))
-    m = run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+    m = after_push(diagnostics(engine, learner))
     parts = m["mismatch/quantization"] + m["mismatch/kernels"] + m["mismatch/interaction"]
     assert m["mismatch/quantization"] > 0 and m["mismatch/kernels"] > 0
     assert parts == pytest.approx(m["probe/kl"], rel=1e-9, abs=1e-15)
@@ -125,23 +136,25 @@ def test_unmodelled_scheme_reports_probe_only_and_warns():
     learner = make_learner()
     own = learner_logprobs(learner)
     with pytest.warns(UserWarning, match="not modelled"):
-        m = run_probe(ScriptedEngine("fp8", lambda: own), learner, PROMPTS, **PROBE, split=MismatchSplit())
+        m = after_push(diagnostics(ScriptedEngine("fp8", lambda: own), learner))
     assert "probe/kl" in m and not any(k.startswith("mismatch/") for k in m)
-    assert "mismatch/quantization" not in run_probe(ScriptedEngine(None, lambda: own), learner, PROMPTS, **PROBE)
+    assert "mismatch/quantization" not in after_push(diagnostics(ScriptedEngine(None, lambda: own), learner, split=False))
 
 
 def test_staleness_is_the_previous_probe_rescored():
     learner = make_learner()
-    split = MismatchSplit(staleness=True)
     engine = ScriptedEngine(None, lambda: learner_logprobs(learner))
-    first = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    hooks = diagnostics(engine, learner, staleness=True)
+    first = after_push(hooks)
     assert "mismatch/staleness" not in first  # nothing to compare with yet
-    same = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    same = after_push(hooks)
     assert same["mismatch/staleness"] == 0.0  # no update between the probes
     learner.model = perturbed(learner.model, seed=1, scale=0.05)  # an update θ_{k−1} → θ_k
-    moved = run_probe(engine, learner, PROMPTS, **PROBE, split=split)
+    moved = after_push(hooks)
     assert moved["mismatch/staleness"] > 1e-4
-    assert "mismatch/staleness" not in run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
+    synchronous = diagnostics(engine, learner)
+    after_push(synchronous)
+    assert "mismatch/staleness" not in after_push(synchronous)
 
 
 def test_quantized_learner_scores_the_quantized_copy():
@@ -215,32 +228,32 @@ def count_logprobs(monkeypatch):
 def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
     """Multihost invariant: a follower, given the driver's broadcast, runs the same learner forwards."""
     learner = make_learner()
-    split = MismatchSplit(staleness=True)
     own = learner_logprobs(learner)
-    engine = ScriptedEngine(quantization, lambda: own)
+    sent = []  # what the driver broadcast, in order; the follower receives it in the same order
+
+    class Driver:
+        is_driver, multiple = True, True
+
+        def broadcast(self, tree=None):
+            sent.append(tree)
+            return tree
+
+    class Follower:
+        is_driver, multiple = False, True
+
+        def broadcast(self, tree=None):
+            return sent.pop(0)
+
+    driver = diagnostics(ScriptedEngine(quantization, lambda: own), learner, staleness=True, procs=Driver())
+    follower = diagnostics(None, learner, staleness=True, procs=Follower(), quantization=quantization)
     calls = count_logprobs(monkeypatch)
     for _ in range(2):  # the second probe has staleness's forward too
-        sent = []
-
-        def share(tree=None):
-            if tree is not None:
-                sent.append(tree)
-            return sent[-1]
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "fp8": not modelled (tested above)
-            run_probe(engine, learner, PROMPTS, **PROBE, share=share, split=split)
+            after_push(driver)
         driver_calls, calls[:] = list(calls), []
-        follow_probe(learner, share)
-        assert calls == driver_calls
+        assert after_push(follower) == {}
+        assert calls == driver_calls and not sent
         calls.clear()
     # the probe, then one wrapped call: staleness's forward, and with a modelled quantizer the quantized one too
     assert [q for _, q in driver_calls] == [False, True]
-
-
-def test_train_keyword_must_be_a_bool():
-    from portable_rl.rl.roles import EngineSide
-
-    with pytest.raises(ConfigError, match="mismatch_split"):
-        EngineSide(engine=None, writer=None, codec=None, task=None, reward_fn=None, cfg=None, seed=0, held_out=[],
-                   greedy=None, probe_ids=[], async_rollouts=False, mismatch_split="yes")

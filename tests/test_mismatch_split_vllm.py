@@ -24,10 +24,10 @@ from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import get_param, load_hf_model  # noqa: E402
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import create_engine  # noqa: E402
-from portable_rl.rl.dapo import DapoConfig  # noqa: E402
+from portable_rl.testing.configs import dapo_config  # noqa: E402
 from portable_rl.rl.learner import Learner  # noqa: E402
-from portable_rl.rl.mismatch_split import MismatchSplit, with_quantized_projections  # noqa: E402
-from portable_rl.rl.sync import run_probe  # noqa: E402
+from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving  # noqa: E402
+from portable_rl.rl.mismatch_split import with_quantized_projections  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def learner(ckpt):
     model, _ = load_hf_model(ckpt, compute_dtype=jnp.float32)  # the default run's fp32 learner
-    cfg = DapoConfig(prompt_batch_size=8, mini_batch_size=8, n_samples=2, max_response_tokens=16, temperature=1.0)
+    cfg = dapo_config(prompt_batch_size=8, mini_batch_size=8, n_samples=2, max_response_tokens=16, temperature=1.0)
     return Learner(model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param), cfg,
                    tis.RolloutCorrectionConfig(mode="none"))
 
@@ -62,6 +62,13 @@ class WeightOnlyFp8:
         return self.inner.generate(prompts, sampling)
 
 
+def probe_and_split(engine, learner, smoothing=None) -> dict:
+    """probe/* and mismatch/* of the engine's current weights, as the step's diagnostics compute them."""
+    probe = ProbeDiagnostic(engine=engine, learner=learner, prompts=PROMPTS, **PROBE)
+    split = MismatchSplitDiagnostic(probe=probe, serving=Serving(engine.quantization, smoothing), staleness=False)
+    return {**probe.after_push(), **split.after_push()}
+
+
 def adds_up(m):
     parts = m["mismatch/quantization"] + m["mismatch/kernels"] + m["mismatch/interaction"]
     return parts == pytest.approx(m["probe/kl"], rel=1e-9, abs=1e-15)
@@ -71,9 +78,8 @@ def adds_up(m):
 def bf16_results(ckpt, learner):
     # dtype pinned: on a CPU without bf16 dot products the adapter would pick float32 (cpu_engine_dtype)
     with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(dtype="bfloat16")) as engine:
-        bf16 = run_probe(engine, learner, PROMPTS, **PROBE, split=MismatchSplit())
-        weight_only = run_probe(WeightOnlyFp8(engine, learner.model), learner, PROMPTS, **PROBE,
-                                split=MismatchSplit())
+        bf16 = probe_and_split(engine, learner)
+        weight_only = probe_and_split(WeightOnlyFp8(engine, learner.model), learner)
     print(f"bf16 engine: {bf16}\nweight-only fp8 (bf16 engine, emulated fp8 weights pushed): {weight_only}")
     return bf16, weight_only
 
@@ -123,7 +129,7 @@ def test_vllm_fp8_per_channel_split(ckpt, learner, bf16_results):
             ours = np.concatenate([np.asarray(get_param(quantized, ("layers", i, *p, "kernel"))[...])
                                    for p in FUSED[name]], axis=1)
             np.testing.assert_array_equal(ours, served, err_msg=f"layer {i} {name}")
-        m = run_probe(fp8, learner, PROMPTS, **PROBE, split=MismatchSplit())
+        m = probe_and_split(fp8, learner)
     print(f"vLLM fp8_per_channel (W8A8): {m}")
     assert adds_up(m)
     assert m["mismatch/quantization"] > 10 * bf16["probe/kl"]  # the weight quantization is seen ...
@@ -141,11 +147,11 @@ def test_vllm_int8_split_and_smoothquant(ckpt, learner, bf16_results, tmp_path):
     bf16, _ = bf16_results
     with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(quantization="int8_per_channel"),
                        quantized_checkpoint_root=str(tmp_path)) as int8:
-        m = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit())
+        m = probe_and_split(int8, learner)
         smoothing = calibrate(learner.model, PROMPTS)
         push_weights(int8, learner.model, learner.model.config, smoothing=smoothing)
-        smoothed = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit(), smoothing=smoothing)
-        unmodelled = run_probe(int8, learner, PROMPTS, **PROBE, split=MismatchSplit())  # factors not given
+        smoothed = probe_and_split(int8, learner, smoothing)
+        unmodelled = probe_and_split(int8, learner)  # factors not given
     print(f"vLLM int8: {m}\n  smoothed: {smoothed}\n  smoothed, split without the factors: {unmodelled}")
     for r in (m, smoothed, unmodelled):
         assert adds_up(r)

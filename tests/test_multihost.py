@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_FLAGS = ["--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/learner/mesh.gin", "--gin.MESH_DATA=2",
-               "--gin.MESH_FSDP=4", "--gin.train.eval_size=16", "--gin.train.progress=False"]
+               "--gin.MESH_FSDP=4", "--gin.rl.RunConfig.eval_size=16"]
 TOL = 1e-6
 LOGPROB_DIFF_TOL = 1e-5
 # The key projection's bias has an exactly-zero gradient (it adds q·b to every score of a query, which the
@@ -147,10 +147,10 @@ def runs(tmp_path_factory):
                            f"--gin.MODEL_PATH='{model_path}'", "--gin.WARMSTART_STEPS=40",
                            "--gin.warmstart.progress=False"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    flags = _flags(run, model_path, 2, "--gin.train.checkpoint_every=1")
+    flags = _flags(run, model_path, 2, "--gin.rl.RunConfig.checkpoint_every=1")
     env = dict(_env(cache), XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", "portable_rl.train", *_flags(ref, model_path, 2,
-                           "--gin.train.checkpoint_every=1")], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--gin.rl.RunConfig.checkpoint_every=1")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = {"ref": ref, "run": run}

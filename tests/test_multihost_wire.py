@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from portable_rl.engines.base import Rollout
-from portable_rl.rl.dapo import DapoConfig, build_batch
+from portable_rl.rl.dapo import build_batch
+from portable_rl.testing.configs import dapo_config
 from portable_rl.rl.multihost import Processes, decode, encode, groups_from_wire, groups_to_wire, wire_bytes
 from portable_rl.rl.rollout import ScoredGroup
 
@@ -54,7 +55,7 @@ def test_multihost_one_process_broadcast_is_the_identity():
 
 
 def test_multihost_wire_rollouts_build_the_drivers_batch():
-    cfg = DapoConfig(prompt_batch_size=4, mini_batch_size=2, n_samples=4, max_response_tokens=8, overlong_buffer=2)
+    cfg = dapo_config(prompt_batch_size=4, mini_batch_size=2, n_samples=4, max_response_tokens=8, overlong_buffer=2)
     groups = _groups(np.random.default_rng(0))
     wire = decode(encode(groups_to_wire(groups)))  # through the bytes, as a follower receives it
     assert wire_bytes(wire) == sum(4 * len(r.prompt_token_ids) + 8 * len(r.response_token_ids) + 13

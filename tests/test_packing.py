@@ -11,8 +11,13 @@ from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl import batching
 from portable_rl.rl.batching import (MicroBatchBudgetError, first_fit_decreasing, pack_rollouts, packed_row_length,
-                                     padding_fraction, round_rows)
+                                     round_rows)
 from portable_rl.rl.learner import row_logprobs
+
+
+def padding_fraction(batch: dict) -> float:
+    """Padding tokens / all tokens of the [R, L] arrays."""
+    return 1.0 - float(batch["attention_mask"].sum()) / batch["attention_mask"].size
 
 
 def test_first_fit_decreasing_by_hand():

@@ -104,10 +104,10 @@ def installed_oot_package(tmp_path, clean_registry):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(src)], check=True)
-    sys.path.insert(0, str(target))
-    importlib.invalidate_caches()
-    yield target
-    sys.path.remove(str(target))  # "uninstall": the distribution and its entry point disappear
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(target))  # also invalidates the import caches
+        yield target
+    # "uninstall": the directory left sys.path, so the distribution and its entry point disappear
     for name in [m for m in sys.modules if m.startswith("toy_bigram_engine")]:
         del sys.modules[name]
     importlib.invalidate_caches()

@@ -1,7 +1,7 @@
 """Exact logprobs under top-k / top-p: the learner renormalises over the support the engine sampled from.
 
 learner_jax/logprobs.py (token_logprobs with `support`), rl/batching.py (`sampling_support` rows),
-engines/vllm_adapter.py (the support from vLLM's processed logprobs), rl/config.py (rl.DapoConfig.top_p/top_k).
+engines/vllm_adapter.py (the support from vLLM's processed logprobs), rl/config.py (rl.GenerationConfig.top_p/top_k).
 """
 
 import jax
@@ -114,12 +114,12 @@ def test_supports_survive_packing_and_the_multihost_wire():
 def test_config_and_engine_refusals_are_one_line():
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.errors import ConfigError
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
 
-    assert DapoConfig(top_p=0.8, top_k=64).generation.sampling().return_support
-    assert not DapoConfig().generation.sampling().truncated
+    assert dapo_config(top_p=0.8, top_k=64).generation.sampling().return_support
+    assert not dapo_config().generation.sampling().truncated
     with pytest.raises(ConfigError, match="needs top_k >= 1"):
-        DapoConfig(top_p=0.8)
+        dapo_config(top_p=0.8)
     with pytest.raises(ValueError, match="return_support=True"):
         SamplingConfig(top_p=0.9)
     with pytest.raises(ValueError, match="top_p=1.5"):

@@ -5,7 +5,7 @@ import pytest
 
 from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
 from portable_rl.rl.codec import TextCodec
-from portable_rl.rl.dapo import DapoConfig
+from portable_rl.testing.configs import dapo_config
 from portable_rl.rl.evaluation import evaluate_examples
 from portable_rl.rl.rollout import collect_groups
 from portable_rl.rl.scoring import generate_and_score
@@ -60,7 +60,7 @@ def test_generate_and_score_is_prompt_major_and_scores_each_sample_against_its_p
 def test_training_and_evaluation_see_the_same_scores(setup):
     codec, task, engine = setup
     reward = get_reward("exact_match")
-    cfg = DapoConfig(prompt_batch_size=6, mini_batch_size=6, n_samples=4, max_gen_batches=1)
+    cfg = dapo_config(prompt_batch_size=6, mini_batch_size=6, n_samples=4, max_gen_batches=1)
     groups, stats = collect_groups(engine, codec, task, reward, cfg, step=0, seed=0)
     assert len(groups) == 6 and stats["reward/mean"] == 0.5 and stats["accuracy/train"] == 0.5
     for g in groups:   # each group holds its own example's 4 samples

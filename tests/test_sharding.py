@@ -85,7 +85,7 @@ SCRIPT = textwrap.dedent(r'''
     from portable_rl.learner_jax.model import Transformer
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
-    from portable_rl.rl.dapo import DapoConfig
+    from portable_rl.testing.configs import dapo_config
     from portable_rl.rl.batching import pack_rollouts
     from portable_rl.rl.learner import Learner
 
@@ -93,7 +93,7 @@ SCRIPT = textwrap.dedent(r'''
     # qwen3 with all biases, q/k norms and an untied lm_head; vocab 125 is odd (replicated on "tensor").
     CFG = ModelConfig(family="qwen3", vocab_size=125, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True)
-    ALG = DapoConfig(prompt_batch_size=2, mini_batch_size=2, n_samples=4)      # one update of 8 rows
+    ALG = dapo_config(prompt_batch_size=2, mini_batch_size=2, n_samples=4)      # one update of 8 rows
     CORR = tis.RolloutCorrectionConfig(mode="token", clip=2.0)
 
     def make_batch():  # 8 sequences of 8-16 tokens (4 prompt tokens), one per row: [8, 16]
@@ -131,9 +131,10 @@ SCRIPT = textwrap.dedent(r'''
         batch = make_batch()
         if mesh:  # 5 rows: padded to a multiple of the batch shards inside Learner.logprobs
             out["probe_logprobs"] = learner.logprobs(batch["input_ids"][:5], batch["attention_mask"][:5])
+        # pre-update, on the learner's micro-batches (prepare defers ALG's one mini-batch's to its update)
+        out["old_logprobs"] = learner.old_logprobs(batch)
         prepared = learner.prepare(batch)
         out["tis"] = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
-        out["old_logprobs"] = prepared.old_logprobs
         out["metrics"] = learner.update(prepared)
         out["same_sharding_after"] = model.layers[0].mlp.gate_proj.kernel[...].sharding.is_equivalent_to(before, 2)
         out["params_after"] = {"/".join(map(str, p)): np.asarray(v[...])

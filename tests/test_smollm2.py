@@ -26,8 +26,10 @@ import time
 import numpy as np
 import pytest
 
-import portable_rl.engines  # noqa: F401  (before torch loads: OMP_WAIT_POLICY=PASSIVE, engines/__init__.py)
 from portable_rl.convert import gguf
+from portable_rl.engines.cpu_features import prefer_passive_omp_waits
+
+prefer_passive_omp_waits()  # before torch loads: OpenMP reads the policy once
 
 pytestmark = pytest.mark.slow
 

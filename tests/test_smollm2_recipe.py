@@ -29,15 +29,15 @@ def test_two_steps_of_the_recipe(tmp_path):
         [sys.executable, "-m", "portable_rl.train", "--gin_file=gin/recipes/smollm2_arith_fp8.gin",
          f"--gin.RUN_DIR={run}", f"--gin.MODEL_PATH={model}", "--gin.TRAIN_STEPS=2",
          "--gin.MAX_RESPONSE_TOKENS=24", "--gin.EVAL_SIZE=4", "--gin.EVAL_EVERY=1",
-         "--gin.rl.DapoConfig.prompt_batch_size=2", "--gin.rl.DapoConfig.n_samples=4",
-         "--gin.rl.DapoConfig.mini_batch_size=2", "--gin.rl.DapoConfig.overlong_buffer=8",
+         "--gin.rl.DataConfig.prompt_batch_size=2", "--gin.rl.GenerationConfig.n_samples=4",
+         "--gin.rl.LossConfig.mini_batch_size=2", "--gin.rl.LossConfig.overlong_buffer=8",
          # 24-token answers are rarely right: keep equal-reward groups so both steps train
-         "--gin.rl.DapoConfig.dynamic_sampling=False", "--gin.train.progress=False"],
+         "--gin.rl.DataConfig.dynamic_sampling=False"],
         cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (model / "config.json").exists() and json.loads((model / "config.json").read_text())["model_type"] == "llama"
     config = (run / "config.gin").read_text()
-    assert "'fp8_per_channel'" in config and "train.chat_template = True" in config
+    assert "'fp8_per_channel'" in config and "rl.RunConfig.chat_template = True" in config
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[0]["accuracy/heldout"] <= 1.0

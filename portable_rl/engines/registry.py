@@ -94,7 +94,12 @@ def get_engine_factory(name: str) -> Callable[..., EngineAdapter]:
 
 
 def create_engine(name: str, **kwargs) -> EngineAdapter:
-    """Builds the engine registered as `name` with `kwargs` (passed straight to its constructor)."""
+    """Builds the engine registered as `name` with `kwargs` (passed straight to its constructor).
+
+    Args:
+      name: the registered engine: "vllm", "sglang", "ray_fleet", "fake_quant", or an out-of-tree adapter's
+        entry-point name; its keywords are listed under `engines.create_engine (name = ...)`.
+    """
     engine = get_engine_factory(name)(**kwargs)
     if not isinstance(engine, EngineAdapter):
         raise TypeError(f"engine {name!r} built a {type(engine).__name__}, not an EngineAdapter")

@@ -119,7 +119,27 @@ def transport_bucket(bucket: list, fp8_mode: str | None) -> list:
 
 @register("sglang")
 class SGLangEngine(EngineAdapter):
-    """`engine_factory` defaults to `sglang.Engine`; tests pass a strict fake with the same API."""
+    """In-process SGLang (module doc: logprobs, seeds, weight sync, FP8, sleep).
+
+    Args:
+      model_path: the HF checkpoint directory the engine starts from; pushed weights are checked against it.
+      engine_init_kwargs: extra `sglang.Engine` keywords, overriding the adapter's; None: none.
+      seed: SGLang's random_seed and the base of the per-request sampling seeds; None: unseeded.
+      dtype: the engine's weight and activation dtype.
+      fp8_mode: None (no FP8 of the adapter's), "flash_rl" (SGLang re-quantizes pushed bf16 weights to FP8;
+        Qwen2/Qwen3 only) or "blockwise" (128x128 FP8, quantized by the adapter at start and on every push).
+      bucket_bytes: the most bytes of one `update_weights_from_tensor` call (a fused q/k/v or gate/up group
+        is never split; a larger tensor goes alone).
+      deterministic: start with enable_deterministic_inference, which SGLang needs to honour sampling seeds
+        (slower kernels); None: on when seed is not None.
+      sleep_mode: start with SGLang's memory saver and a CPU backup of the weights, so `sleep()` frees the
+        KV cache, weights and CUDA graphs.
+      fp8_checkpoint_root: where fp8_mode="blockwise" writes the FP8 copy of a bf16 model_path once (gin: the
+        run directory); None: model_path must already be a 128x128 FP8 checkpoint.
+      validate_weights: check every pushed weight's name and shape against the start checkpoint before the
+        engine sees it (a load that fails inside SGLang kills the process tree).
+      engine_factory: builds the engine from the keywords; None: `sglang.Engine` (tests pass a fake).
+    """
 
     def __init__(self, *, model_path: str, engine_init_kwargs: dict[str, Any] | None = None, seed: int | None = 0,
                  dtype: str = "bfloat16", fp8_mode: str | None = None, bucket_bytes: int = 512 << 20,

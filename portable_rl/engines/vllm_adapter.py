@@ -22,9 +22,6 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
-CUDA graphs. `enforce_eager=None` (the default, gin `ENFORCE_EAGER`) runs eagerly on CPU and leaves vLLM's own
-default on GPU (False: CUDA graphs captured, the fast decode path); True / False force it either way.
-
 `quantization` reports what vLLM resolved (`model_config.quantization`): the `quantization` argument, or
 the method of a pre-quantized checkpoint; None for bf16.
 
@@ -42,10 +39,7 @@ the same formula in torch; either way the engine reloads checkpoint-format int8,
 engines/vllm_cpu_int8.py keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
 Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box as an unquantized engine's.
 
-`engine_init_kwargs` go straight to `vllm.LLM` (e.g. `quantization="fp8_per_channel"` on CPU, `"fp8"` or
-`"fp8_per_block"` on GPU, `tensor_parallel_size`); they override the defaults here.
-
-Sleep (colocated with the learner: portable_rl/memory_plan.py, rl/colocation.py). `enable_sleep_mode=True`
+Sleep (colocated with the learner: rl/colocation.py). `enable_sleep_mode=True`
 (GPU) starts vLLM with its cumem allocator; `sleep()` then offloads the weights to host RAM and drops the KV
 cache (`sleep_level=1`), or drops both (`sleep_level=2`: less host RAM, no offload copy, valid only when
 every wake-up is followed by a full push, as the training loop does); `wake_up(tags=["weights"])` maps the
@@ -58,7 +52,7 @@ Engine dtype. GPU: bfloat16. CPU (`cpu_engine_dtype`): bfloat16 where /proc/cpui
 instructions (`avx512_bf16`, or AMX `amx_bf16`), and for quantized engines (vLLM's fp8 methods accept
 only bf16/fp16 activations); float32 elsewhere, since without those instructions every bf16 GEMM is
 widened in software (SmolLM2-135M decode ~4x slower in bf16 than float32 there, ~2.4x faster with
-avx512_bf16: docs/benchmarks.md). Each
+avx512_bf16: docs/experiments/cpu_rollouts.md). Each
 distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
 gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
 is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.
@@ -78,7 +72,8 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
-from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags  # noqa: F401 (re-exported)
+from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
+                                              omp_threads_spin, prefer_passive_omp_waits)
 from portable_rl.engines.registry import register
 from portable_rl.errors import ConfigError
 
@@ -134,16 +129,23 @@ def resolve_enforce_eager(enforce_eager: bool | None, on_cpu: bool) -> bool | No
     return bool(enforce_eager)
 
 
-def _warn_if_omp_spins() -> None:
-    """Once: torch loaded its OpenMP runtime before `portable_rl.engines` could ask for passive waiting."""
-    global _OMP_WARNED
-    from portable_rl import engines
+def set_vllm_environment(in_process: bool) -> None:
+    """What vLLM reads when it is imported or starts an engine, set right before the engine is created:
+    the engine core in this process (tensors pass to the worker by reference) or in its own, vLLM's logs at
+    WARNING unless VLLM_LOGGING_LEVEL is set (it logs a few INFO lines per weight sync), and passive OpenMP
+    waits unless OMP_WAIT_POLICY is set (`cpu_features.prefer_passive_omp_waits`)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    prefer_passive_omp_waits()
 
-    spinning = engines.OMP_WAIT_POLICY_TOO_LATE or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
-    if not _OMP_WARNED and spinning:
+
+def _warn_if_omp_spins() -> None:
+    """Once: idle OpenMP threads spin (the policy was set, or torch loaded OpenMP before it was)."""
+    global _OMP_WARNED
+    if not _OMP_WARNED and omp_threads_spin():
         _OMP_WARNED = True
-        print("[vllm] OMP_WAIT_POLICY is not PASSIVE (torch was imported before portable_rl.engines, or it was "
-              "set): on a shared CPU decode can be >10x slower; export OMP_WAIT_POLICY=PASSIVE",
+        print("[vllm] OMP_WAIT_POLICY is not PASSIVE (set otherwise, or set after torch had loaded OpenMP): on a "
+              "shared CPU decode can be >10x slower; export OMP_WAIT_POLICY=PASSIVE",
               file=sys.stderr, flush=True)
 
 
@@ -220,7 +222,33 @@ def _sampled_and_support(tokens, flat) -> tuple[list[float], list[list[int]]]:
 
 @register("vllm")
 class VLLMEngine(EngineAdapter):
-    """In-process vLLM. Defaults suit a small CPU machine; on GPU pass `gpu_memory_utilization` etc."""
+    """In-process vLLM. Defaults suit a small CPU machine; on GPU pass `gpu_memory_utilization` etc.
+
+    Args:
+      model_path: the HF checkpoint directory the engine starts from; pushed weights are checked against it.
+      engine_init_kwargs: extra `vllm.LLM` keywords, overriding the adapter's (e.g. quantization: "fp8_per_channel"
+        on CPU, "fp8" or "fp8_per_block" on GPU, "int8_per_channel" (module doc); tensor_parallel_size;
+        max_logprobs); None: none.
+      seed: vLLM's engine seed; a request with its own sampling seed uses that one.
+      gpu_memory_utilization: the fraction of GPU memory vLLM may claim (weights, activations, KV cache);
+        None: vLLM's default. On CPU the adapter gives the KV cache a fixed 256 MiB (bf16 tokens) unless
+        VLLM_CPU_KVCACHE_SPACE or engine_init_kwargs sets it.
+      max_model_len: the longest prompt + response in tokens; None: the model's max_position_embeddings.
+      enforce_eager: True: no CUDA graphs; False: vLLM captures them (the fast decode path on GPU); None:
+        eager on CPU, vLLM's default (False) on GPU.
+      dtype: the engine's weight and activation dtype; None: bfloat16 on GPU, on CPU bfloat16 or float32 by
+        the CPU's bf16 instructions and the quantization (module doc, "Engine dtype").
+      in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so pushed
+        tensors pass by reference; False: a separate engine-core process, pushes serialized.
+      validate_weights: check every pushed weight's name and shape against model_path's checkpoint before
+        the engine sees it.
+      enable_sleep_mode: start vLLM with its sleep allocator so `sleep()` frees GPU memory (GPU only;
+        vLLM-CPU refuses it).
+      sleep_level: what `sleep()` does to the weights: 1: offloaded to host RAM; 2: dropped (every wake-up
+        must be followed by a full push). The KV cache is dropped at both levels.
+      quantized_checkpoint_root: where the INT8 W8A8 start checkpoint is written once (quantization
+        "int8_per_channel"); None: ~/.cache/portable_rl/quantized_checkpoints.
+    """
 
     returns_sampling_support = True  # module doc, "Sampling support"
 
@@ -231,19 +259,17 @@ class VLLMEngine(EngineAdapter):
                  enforce_eager: bool | None = None, dtype: str | None = None, in_process: bool = True,
                  validate_weights: bool = True, enable_sleep_mode: bool = False, sleep_level: int = 1,
                  quantized_checkpoint_root: str | None = None):
-        # Read when vLLM builds its engine core. In-process, tensors pass to the worker by reference.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        set_vllm_environment(in_process)
         import vllm
 
         check_vllm_version(vllm.__version__)
 
-        from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
+        from portable_rl.engines.vllm_worker import apply_cpu_patches
 
         _quiet_expected_reload_warnings()
         on_cpu = _on_cpu()
         if on_cpu:
-            vllm_cpu_fp8.apply()  # fast CPU per-channel FP8 GEMM (same numerics as vLLM's formula)
-            vllm_cpu_int8.apply()  # INT8 reloads keep the scales the oneDNN kernel reads
+            apply_cpu_patches()  # this process: an in-process worker, or forked ones
         engine_init_kwargs = dict(engine_init_kwargs or {})
         self.source_model_path = self.model_path = str(model_path)
         int8 = engine_init_kwargs.get("quantization") == INT8
@@ -297,6 +323,8 @@ class VLLMEngine(EngineAdapter):
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
         self._optional_names = {"lm_head.weight"} if tied_embeddings(self.model_path) else set()
         self._llm = vllm.LLM(**kwargs)
+        if on_cpu:  # a worker in a process of its own (spawned) imported vllm_worker but is not patched yet
+            self._llm.collective_rpc("portable_rl_apply_cpu_patches")
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
         self.quantization = INT8 if int8 else self._llm.llm_engine.vllm_config.model_config.quantization
         self._in_process = in_process

@@ -5,9 +5,8 @@ vLLM 0.32's `ChannelWiseTorchFP8ScaledMMLinearKernel` computes, for every quanti
     C = s_x · s_w · (X_fp8 · W_fp8) + b        X_fp8 [M, K] per-token scaled, W_fp8 [K, N] per-channel
 
 by calling `torch._scaled_mm`. On CPU that op is slow whatever the scales: a reference loop with scalar
-scales (~150 ms for 32×128×384), and oneDNN with row-wise scales, which on a CPU without native FP8
-math is still 5-15× slower than the same GEMM in bf16 (measured: 64×576×3072 takes 10.6 ms against
-0.9 ms in bf16 and 3.9 ms in fp32; 193 ms against 7.6 ms for a 1-token 576×49152 product).
+scales, and oneDNN with row-wise scales, which on a CPU without native FP8 math is still several times
+slower than the same GEMM in bf16 (one GEMM timed: docs/benchmarks.md, "Rollout throughput").
 
 This patch computes the same formula from the same FP8 operands with a dense GEMM:
 
@@ -27,8 +26,8 @@ re-quantized weights into the same tensors through `.data.copy_` (no version bum
 the model runner's `reload_weights` to drop the cache; a weight tensor that is replaced is a new key.
 
 It changes nothing on GPU (only CPU tensors take the new path). The vLLM adapter applies it before
-starting an in-process engine, and the worker extension module applies it on import, so a multiprocess
-engine's worker is patched too. tests/test_engines_vllm_cpu_fp8.py checks the formula against vLLM's
+starting an engine on CPU and then in every worker (`vllm_worker.apply_cpu_patches`), so a worker in a
+process of its own is patched too. tests/test_engines_vllm_cpu_fp8.py checks the formula against vLLM's
 own kernel and the reload invalidation.
 """
 

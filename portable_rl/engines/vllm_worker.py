@@ -1,4 +1,4 @@
-"""vLLM worker extension: the weight-sync entry point inside each vLLM worker.
+"""vLLM worker extension: the weight-sync entry point inside each vLLM worker, and its CPU kernel patches.
 
 vLLM mixes this class into its Worker (`LLM(worker_extension_cls=...)`), and the adapter reaches it with
 `llm.collective_rpc("portable_rl_reload_weights", kwargs=...)`. In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -9,6 +9,11 @@ each layer is restored to its checkpoint-format parameters, the weight loaders f
 gate/up), and once a layer is complete its quantization method runs `process_weights_after_loading`, so an
 FP8 engine re-quantizes from the pushed bf16 weights and writes into its existing buffers. It must run
 ONCE per sync with every weight: calling it per bucket would finalize half-loaded layers.
+
+CPU patches (`apply_cpu_patches`: vllm_cpu_fp8.py, vllm_cpu_int8.py). vLLM imports this module in every
+worker to find the extension; importing it changes nothing. On CPU the adapter applies them in its own
+process before the engine starts (an in-process worker, or forked ones), and right after the start in
+every worker through `portable_rl_apply_cpu_patches` (a spawned worker), before any generate or reload.
 """
 
 from __future__ import annotations
@@ -17,12 +22,21 @@ from typing import Iterable
 
 from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
 
-vllm_cpu_fp8.apply()  # this module is imported inside every vLLM worker process; a no-op off CPU tensors
-vllm_cpu_int8.apply()  # keeps the scales of CPU INT8 kernels alive across reloads; a no-op elsewhere
+
+def apply_cpu_patches() -> None:
+    """Installs the vLLM-CPU kernel patches in this process (idempotent): the fast per-channel FP8 GEMM
+    (vllm_cpu_fp8.py) and INT8 reloads that keep the scales the oneDNN kernel reads (vllm_cpu_int8.py).
+    They change nothing for GPU tensors."""
+    vllm_cpu_fp8.apply()
+    vllm_cpu_int8.apply()
 
 
 class PortableRLWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker: it has `model_runner`, `vllm_config`)."""
+
+    def portable_rl_apply_cpu_patches(self) -> None:
+        """`apply_cpu_patches` in the worker's process; the CPU adapter calls it right after engine start."""
+        apply_cpu_patches()
 
     def portable_rl_reload_weights(self, weights: Iterable) -> int:
         """Loads checkpoint-format `(hf_name, tensor)` pairs with the layerwise reload; returns their count."""

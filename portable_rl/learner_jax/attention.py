@@ -55,7 +55,7 @@ T = 2048 -> 4096 (blockwise x1.7, dense x4.0). Default blocks (_DEFAULT_BLOCKS):
 256 were slower), 256 on GPU / TPU (fewer loop steps). On CPU blockwise is faster than dense from
 T = 256 up (dense's [T, T] f32 temporaries dominate), and block skipping pays for packed rows (8
 segments of 256 in a 2048-token row run 24 block pairs against one segment's 136); the measurements are
-in docs/benchmarks.md.
+in docs/experiments/learner_performance.md ("Attention").
 
 cudnn. The installed jax's jax.nn.dot_product_attention (jax/_src/nn/functions.py,
 jax/_src/cudnn/fused_attention_stablehlo.py) expresses, with cuDNN: is_causal, per-row

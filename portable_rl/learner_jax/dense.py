@@ -11,7 +11,7 @@ compute dtype exactly as JAX's dot transpose rule (and torch autocast) already d
 Why not plain autodiff of `nnx.Linear`: with bf16 inputs it emits bf16-output dots. On XLA:CPU a
 [1024x768]x[768x2048] bf16 x bf16 -> f32 dot ran at 842 GFLOP/s (AMX) and the bf16 -> bf16 one at
 156 GFLOP/s; an MLP forward+backward went from 107 ms to 32 ms and the 32k-vocabulary tied head
-from 1.0 s to 0.35 s (docs/benchmarks.md, "Learner step"). On GPU/TPU the f32-output products are
+from 1.0 s to 0.35 s (docs/experiments/learner_performance.md, "Learner step"). On GPU/TPU the f32-output products are
 what the matrix units accumulate in anyway.
 """
 

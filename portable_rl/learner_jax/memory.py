@@ -33,12 +33,30 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    attention_impl: str = "auto"                    # 'auto': cudnn on GPU, splash on TPU, else blockwise
+    """The learner's memory strategy; every setting computes the same update (module doc: what each costs).
+
+    Attributes:
+      attention_impl: "blockwise", "dense", "cudnn" (CUDA GPU only) or "splash" (TPU only); "auto": cudnn on a
+        CUDA GPU, splash on TPU, blockwise elsewhere.
+      pack_sequences: pack sequences first-fit decreasing into rows (segment ids); False: one sequence per
+        row, padded to a power of two.
+      max_tokens_per_micro_batch: tokens per micro-batch and batch shard (a sequence is never split);
+        gradients are accumulated over the micro-batches, one optimizer update per mini-batch; None: one
+        micro-batch per mini-batch.
+      logprob_chunk_tokens: the head computes logits for about this many tokens per batch shard at a time
+        (recomputed in the backward); None: all tokens at once.
+      remat: "none" (keep every layer's activations), "full" (keep each layer's input, re-run its forward in
+        the backward) or a `jax.checkpoint_policies` name that saves matmul outputs ("dots_saveable",
+        "dots_with_no_batch_dims_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims").
+      share_prompts: the answers of one prompt share one copy of its tokens in the packed rows (needs
+        pack_sequences; attention then runs blockwise for those rows).
+    """
+    attention_impl: str = "auto"
     pack_sequences: bool = True
-    max_tokens_per_micro_batch: Optional[int] = None  # per batch shard; None: one call per mini-batch
-    logprob_chunk_tokens: Optional[int] = None      # None: the head sees all tokens at once
+    max_tokens_per_micro_batch: Optional[int] = None
+    logprob_chunk_tokens: Optional[int] = None
     remat: str = "none"
-    share_prompts: bool = False                     # needs pack_sequences (module doc)
+    share_prompts: bool = False
 
     def __post_init__(self):
         if self.share_prompts and not self.pack_sequences:

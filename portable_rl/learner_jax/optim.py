@@ -49,7 +49,20 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: 
                    schedule: str = "constant", weight_decay: float = 0.0, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0
                    ) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule); `max_grad_norm=None` disables clipping."""
+    """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule) (the schedule: module doc).
+
+    Args:
+      learning_rate: the peak learning rate, reached after the warmup.
+      warmup_steps: optimizer updates of linear warmup (the first update already uses learning_rate /
+        warmup_steps); 0: none.
+      total_steps: optimizer updates over which "cosine" decays to 0 (required by it); unused by "constant".
+      schedule: "constant" or "cosine", after the warmup.
+      weight_decay: AdamW's decoupled weight decay, on matrices only (not norm gains or biases); 0: none.
+      b1: Adam's first-moment decay.
+      b2: Adam's second-moment decay.
+      eps: Adam's epsilon, added to the root of the second moment.
+      max_grad_norm: clip the gradient to this global L2 norm before AdamW; None or 0: no clipping.
+    """
 
     def chain(learning_rate):
         clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
@@ -85,7 +98,8 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
 
     Why: small AdamW steps vanish when added to bf16 params directly (|Δ| < half a bf16 ulp); the master
     keeps them. And the model itself is bf16, so the weight push hands engines the model's own buffers
-    (DLPack, zero-copy) instead of casting every parameter at each sync (docs/benchmarks.md, "Weight sync").
+    (DLPack, zero-copy) instead of casting every parameter at each sync (docs/experiments/cpu_rollouts.md,
+    "Weight sync").
     The update returned to `optax.apply_updates` is round_bf16(master) − params computed in f32, which is
     exact (both are bf16 values), so the params equal round_bf16(master) bit for bit after every step.
     """

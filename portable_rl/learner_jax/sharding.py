@@ -84,7 +84,17 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 # ------------------------------------------------------------------------------------------ mesh
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh sizes; -1 on one axis takes the remaining devices (default: all of them on fsdp)."""
+    """Device mesh sizes; -1 on one axis takes the remaining devices (default: all of them on fsdp).
+
+    The product of the sizes (after filling the -1) must equal the number of devices.
+
+    Attributes:
+      data: devices of the data-parallel axis (params replicated, batch rows split); -1: the remaining ones.
+      fsdp: devices of the ZeRO-3 axis (batch rows and every matrix's embed dimension split); -1: the
+        remaining ones.
+      tensor: devices of the tensor-parallel axis (heads, mlp and vocab dimensions split); -1: the remaining
+        ones.
+    """
     data: int = 1
     fsdp: int = -1
     tensor: int = 1

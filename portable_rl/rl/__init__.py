@@ -15,5 +15,5 @@
 - `preemption`: stop cleanly on SIGTERM (finish the step, checkpoint).
 - `roles`: what a process does in the loop: the engine side (the driver) or a follower.
 - `multihost`: the collectives of several JAX processes (broadcast from the driver, stop, barriers).
-- `warmstart`: the supervised warm start of the default run's tiny policy.
+- `colocation`: learner and engine on one device: the memory plan (decided before JAX starts) and time-sharing.
 """

@@ -375,19 +375,3 @@ def num_rows(batch: dict) -> int:
 def num_sequences(batch: dict) -> int:
     """Sequences in a `pack_rollouts` batch."""
     return int(len(batch["seq_len"]))
-
-
-def padding_fraction(batch: dict) -> float:
-    """Padding tokens / all tokens of the [R, L] arrays."""
-    mask = batch["attention_mask"]
-    return 1.0 - float(mask.sum()) / max(mask.size, 1)
-
-
-def split_rows(arrays: dict, rows_per_split: int):
-    """Yields dicts of the row arrays (`[B, ...]`, not the per-sequence index), `rows_per_split` rows each."""
-    b = arrays["input_ids"].shape[0]
-    if b % rows_per_split:
-        raise ValueError(f"batch of {b} rows is not a multiple of rows_per_split={rows_per_split}")
-    rows = {k: v for k, v in arrays.items() if k not in SEQ_KEYS and v.shape[:1] == (b,)}
-    for s in range(0, b, rows_per_split):
-        yield {k: v[s:s + rows_per_split] for k, v in rows.items()}

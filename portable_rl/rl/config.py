@@ -1,20 +1,18 @@
-"""The loop's settings, one small frozen config per concern; `dapo.DapoConfig` composes them.
+"""The loop's settings, one small frozen config per concern. `train()` takes them as objects; gin binds their
+fields (`rl.GenerationConfig.n_samples = 8`); `dapo.DapoConfig` holds the five that define the algorithm.
 
-    GenerationConfig   what the engine samples per prompt        n_samples, temperature, max_response_tokens,
-                                                                   top_p, top_k
-    DataConfig         how prompts become a step's groups          prompt_batch_size, dynamic_sampling,
-                                                                   max_gen_batches
-    ShapeConfig        the padded shapes the learner compiles for  min_seq_bucket
-    LossConfig         advantages → PPO loss → optimizer updates    advantage, overlong_*, mini_batch_size,
-                                                                   ppo_epochs, clip_*, dual_clip_c,
-                                                                   loss_aggregation, loss_norm_constant,
-                                                                   policy_loss_mode
-    SafetyConfig       when a broken engine stops the run          max_nonfinite_fraction
+    RunConfig          the run: where it writes, how long, evaluation, checkpoints, async rollouts
+    PrecisionConfig    the learner's dtypes and the push's SmoothQuant
+    DiagnosticsConfig  what is measured after each push (rl/diagnostics.py)
+    GenerationConfig   what the engine samples per prompt
+    DataConfig         how prompts become a step's groups
+    ShapeConfig        the padded shapes the learner compiles for
+    LossConfig         advantages → PPO loss → optimizer updates
+    SafetyConfig       when a broken engine stops the run
 
 Each validates its own fields (a one-line `ConfigError`); rules that tie two concerns together (e.g.
-prompt_batch_size a multiple of mini_batch_size) are `DapoConfig`'s. Library code reads the part it needs
-(`cfg.loss`, `cfg.generation`, ...). Gin users keep setting the flat names (`rl.DapoConfig.n_samples`):
-`DapoConfig`'s fields are exactly these configs' fields, so no gin name changed.
+prompt_batch_size a multiple of mini_batch_size) are `DapoConfig`'s. Every field has one line in its class's
+`Attributes:` section: docs/reference/configuration.md is generated from them.
 """
 
 from __future__ import annotations
@@ -26,17 +24,105 @@ from portable_rl.errors import ConfigError
 
 ADVANTAGES = ("grpo", "drgrpo")
 POLICY_LOSS_MODES = ("decoupled", "bypass")
+DTYPES = ("float32", "bfloat16", "float16")
+DIAGNOSTICS = ("update_survival", "probe", "mismatch_split")  # rl/diagnostics.py, in the order the step runs them
+LEARNER_PRECISIONS = ("master", "engine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run: where it writes, how long it trains, when it evaluates and checkpoints.
+
+    Attributes:
+      run_dir: where the run writes config.gin, metrics.jsonl, tensorboard/, *.png and checkpoints/; rerunning
+        the same command resumes from its newest checkpoint.
+      train_steps: number of RL steps (the last one is evaluated and checkpointed).
+      model_path: the starting HF checkpoint directory (created by `warmstart_fn` when missing).
+      seed: rollout sampling seeds (with the step and draw); the task's data order has its own seed.
+      chat_template: wrap prompts in the tokenizer's chat template.
+      async_rollouts: generate step k+1 while the learner trains on step k (one step off-policy).
+      eval_every: greedy held-out accuracy every this many steps (and at the last one); 0: only at step 0.
+      eval_max_tokens: response budget of the held-out evaluation; None: the rollouts' max_response_tokens.
+      eval_size: held-out examples evaluated; None: all the task offers.
+      checkpoint_every: save the learner (params, optimizer) every this many steps.
+      keep_checkpoints: newest checkpoints kept on disk.
+    """
+    run_dir: str
+    train_steps: int
+    model_path: str
+    seed: int = 0
+    chat_template: bool = False
+    async_rollouts: bool = False
+    eval_every: int = 10
+    eval_max_tokens: Optional[int] = None
+    eval_size: Optional[int] = None
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        if self.train_steps < 1:
+            raise ConfigError(f"train_steps={self.train_steps} must be >= 1 (rl.RunConfig.train_steps)")
+        if self.checkpoint_every < 1 or self.keep_checkpoints < 1:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every}, keep_checkpoints={self.keep_checkpoints} "
+                              "must be >= 1")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every={self.eval_every} must be >= 0 (0: evaluate at step 0 only)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """The learner's dtypes, what the weight push does for an INT8 W8A8 engine, and whose weights the learner's
+    forwards use (its own, or the engine's served ones).
+
+    Attributes:
+      param_dtype: dtype of the model's parameters (and of the weights pushed before the bf16 cast).
+      master_dtype: the optimizer's master copy when it differs from param_dtype (bf16 params + f32 master
+        weights); None: no master copy.
+      compute_dtype: dtype of the learner's matmuls and activations.
+      smoothquant_alpha: with an INT8 W8A8 engine, SmoothQuant factors calibrated once on the first training
+        prompts and applied to every push (0.5 is SmoothQuant's default); None: off.
+      learner_precision: 'master': the learner's forwards (old logprobs, PPO ratio, loss) use its own weights;
+        'engine': the weights the engine serves (its weight quantizer on the projections, straight-through
+        gradients to the masters; rl/served_view.py), for fp8_per_channel, int8_per_channel or unquantized engines.
+    """
+    param_dtype: str = "float32"
+    master_dtype: Optional[str] = "float32"
+    compute_dtype: str = "bfloat16"
+    smoothquant_alpha: Optional[float] = None
+    learner_precision: str = "master"
+
+    def __post_init__(self):
+        for name in ("param_dtype", "master_dtype", "compute_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES and not (name == "master_dtype" and value is None):
+                raise ConfigError(f"{name}={value!r}; use one of {DTYPES}")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ConfigError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1] (or None: off)")
+        if self.learner_precision not in LEARNER_PRECISIONS:
+            raise ConfigError(f"learner_precision={self.learner_precision!r}; use one of {LEARNER_PRECISIONS}")
+        if self.learner_precision == "engine" and self.smoothquant_alpha is not None:
+            raise ConfigError(f"learner_precision='engine' does not emulate SmoothQuant (smoothquant_alpha="
+                              f"{self.smoothquant_alpha}); set rl.PrecisionConfig.smoothquant_alpha = None")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
-    n_samples: int = 16              # responses per prompt
+    """What the engine samples per prompt. Truncated sampling (top_p / top_k): the engine returns each token's
+    sampling support and the learner renormalises over it, so rollout and learner logprobs stay the same
+    quantity (docs/tis.md).
+
+    Attributes:
+      n_samples: responses sampled per prompt (a group; its advantages are relative to each other).
+      temperature: sampling temperature; the learner scores at the same temperature.
+      max_response_tokens: the longest response the engine may generate.
+      top_p: nucleus sampling threshold; 1.0: off. Below 1 it needs top_k >= 1 too.
+      top_k: sample from the k likeliest tokens; -1: off.
+    """
+    n_samples: int = 16
     temperature: float = 1.0
     max_response_tokens: int = 64
-    # Truncated sampling: the engine returns each token's support and the learner renormalises over it,
-    # so rollout and learner logprobs stay the same quantity (docs/tis.md). top_p < 1 needs top_k >= 1.
     top_p: float = 1.0
-    top_k: int = -1                  # -1: off
+    top_k: int = -1
 
     def __post_init__(self):
         if self.n_samples < 2:
@@ -44,12 +130,12 @@ class GenerationConfig:
         if self.max_response_tokens < 1:
             raise ConfigError(f"max_response_tokens={self.max_response_tokens} must be >= 1")
         if self.top_p != 1.0 and self.top_k == -1:  # the top_k-bound message, before SamplingConfig's
-            raise ConfigError(f"top_p={self.top_p} needs top_k >= 1 too (e.g. rl.DapoConfig.top_k = 64): the engine "
+            raise ConfigError(f"top_p={self.top_p} needs top_k >= 1 too (e.g. rl.GenerationConfig.top_k = 64): the engine "
                               "returns each token's sampling support, and top_k bounds its size")
         try:
             self.sampling()
         except ValueError as e:
-            raise ConfigError(f"rl.DapoConfig: {e}") from None
+            raise ConfigError(f"rl.GenerationConfig: {e}") from None
 
     @property
     def truncated(self) -> bool:
@@ -67,9 +153,16 @@ class GenerationConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    prompt_batch_size: int = 32      # prompt groups per training step (after dynamic sampling)
-    dynamic_sampling: bool = True    # drop groups whose rewards are all equal
-    max_gen_batches: int = 3         # generation batches drawn per step at most (dynamic sampling)
+    """How prompts become a step's groups (DAPO's dynamic sampling).
+
+    Attributes:
+      prompt_batch_size: prompt groups per training step (after dynamic sampling).
+      dynamic_sampling: drop groups whose rewards are all equal, and draw again to refill the step.
+      max_gen_batches: generation batches drawn per step at most (a step may train on fewer groups).
+    """
+    prompt_batch_size: int = 32
+    dynamic_sampling: bool = True
+    max_gen_batches: int = 3
 
     def __post_init__(self):
         if self.max_gen_batches < 1:
@@ -78,27 +171,47 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShapeConfig:
-    min_seq_bucket: int = 16         # shortest padded row: powers of two >= it (multiples of 64 past 64)
+    """The padded shapes the learner compiles for.
+
+    Attributes:
+      min_seq_bucket: shortest padded row; rows are powers of two >= it (multiples of 64 past 64).
+    """
+    min_seq_bucket: int = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    overlong_buffer: int = 0         # L_buf; 0 disables overlong shaping
+    """Advantages → PPO loss → optimizer updates (docs/losses.md).
+
+    Attributes:
+      overlong_buffer: L_buf of DAPO's overlong shaping: responses within L_buf of the limit are penalised
+        linearly; 0: off.
+      overlong_penalty: the shaping's largest penalty (at the limit).
+      advantage: 'grpo' ((r − mean) / std within the group) or 'drgrpo' (r − mean).
+      mini_batch_size: prompt groups per optimizer update.
+      ppo_epochs: passes over the step's batch.
+      clip_eps_low: PPO ratio clip below 1 (1 − ε_low).
+      clip_eps_high: PPO ratio clip above 1 (1 + ε_high; DAPO's clip-higher when > clip_eps_low).
+      dual_clip_c: dual-clip bound for negative advantages (> 1); None: off.
+      loss_aggregation: how token losses become one number: 'token-mean', 'seq-mean-token-mean',
+        'seq-mean-token-sum', 'seq-mean-token-sum-norm', 'token-sum-norm'.
+      loss_norm_constant: L of 'seq-mean-token-sum-norm'; None: max_response_tokens.
+      policy_loss_mode: 'decoupled' (old logprobs recomputed by the learner, rollout correction applied) or
+        'bypass' (old := rollout logprobs: no recompute, no correction weights).
+      old_logprobs_from_update: decoupled: the first mini-batch's old logprobs come from its own update's
+        forward (the policy has not moved yet), one forward fewer per step; only with a token-local correction.
+    """
+    overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     advantage: str = "grpo"
-    mini_batch_size: int = 32        # prompt groups per optimizer update
+    mini_batch_size: int = 32
     ppo_epochs: int = 1
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     dual_clip_c: Optional[float] = None
     loss_aggregation: str = "token-mean"
-    loss_norm_constant: Optional[int] = None  # L of seq-mean-token-sum-norm; None: max_response_tokens
-    # "decoupled": old logprobs recomputed, rollout correction applied | "bypass": old := rollout, no recompute,
-    # no correction weights (rl/learner.py)
+    loss_norm_constant: Optional[int] = None
     policy_loss_mode: str = "decoupled"
-    # decoupled: the first mini-batch's old logprobs are its own update's forward pass (stop-gradient; the
-    # policy has not moved yet), one forward pass fewer per step; only with a token-local correction (token or
-    # no TIS, no masks, no self-normalization), else recomputed like the others (rl/learner.py)
     old_logprobs_from_update: bool = True
 
     def __post_init__(self):
@@ -125,12 +238,44 @@ class LossConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SafetyConfig:
-    max_nonfinite_fraction: float = 0.01  # NaN/inf engine logprobs are masked; above this fraction the run stops
+    """When a broken engine stops the run.
+
+    Attributes:
+      max_nonfinite_fraction: NaN/inf rollout logprobs are masked out of the loss; above this fraction of a
+        step's tokens the run stops.
+    """
+    max_nonfinite_fraction: float = 0.01
 
     def __post_init__(self):
         if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
             raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
 
 
-PARTS = {"generation": GenerationConfig, "data": DataConfig, "shapes": ShapeConfig, "loss": LossConfig,
-         "safety": SafetyConfig}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiagnosticsConfig:
+    """The diagnostics run after every push (rl/diagnostics.py), each on unless named in `disabled`.
+
+    Attributes:
+      disabled: names of diagnostics not to run: any of 'update_survival', 'probe', 'mismatch_split'
+        (disabling the probe disables the split too).
+      probe_prompts: held-out prompts the probe samples after every push.
+      update_survival_stride: every k-th output channel of each projection is tracked by update_survival.
+    """
+    disabled: tuple[str, ...] = ()
+    probe_prompts: int = 4
+    update_survival_stride: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "disabled", tuple(self.disabled))  # gin gives lists
+        unknown = [n for n in self.disabled if n not in DIAGNOSTICS]
+        if unknown:
+            raise ConfigError(f"rl.DiagnosticsConfig.disabled names {unknown}; the diagnostics are {list(DIAGNOSTICS)}")
+        if self.probe_prompts < 1:
+            raise ConfigError(f"probe_prompts={self.probe_prompts} must be >= 1 (to run no probe: "
+                              "rl.DiagnosticsConfig.disabled = ['probe'])")
+        if self.update_survival_stride < 1:
+            raise ConfigError(f"update_survival_stride={self.update_survival_stride} must be >= 1 (to track "
+                              "nothing: rl.DiagnosticsConfig.disabled = ['update_survival'])")
+
+    def enabled(self, name: str) -> bool:
+        return name not in self.disabled and not (name == "mismatch_split" and "probe" in self.disabled)

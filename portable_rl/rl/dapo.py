@@ -11,8 +11,9 @@ clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation + overlong shapi
 first two and seq-mean-token-mean (set `dynamic_sampling=False, clip_eps_high=0.2,
 loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
 
-Settings: `DapoConfig` is the flat union of the per-concern configs of rl/config.py (generation, data,
-shapes, loss, safety), which gin sets by their old names; the functions below read the parts they use.
+`DapoConfig` holds the five parts of rl/config.py (generation, data, shapes, loss, safety); each setting is
+read one way, through its part (`cfg.loss.clip_eps_high`), and gin binds it there
+(`rl.LossConfig.clip_eps_high = 0.28`).
 """
 
 from __future__ import annotations
@@ -24,82 +25,39 @@ import numpy as np
 from portable_rl.errors import ConfigError
 from portable_rl.learner_jax import advantages as adv_lib
 from portable_rl.rl.batching import pack_rollouts
-from portable_rl.rl.config import (ADVANTAGES, PARTS, DataConfig, GenerationConfig,  # noqa: F401 (re-exported)
-                                   LossConfig, SafetyConfig, ShapeConfig)
+from portable_rl.rl.config import DataConfig, GenerationConfig, LossConfig, SafetyConfig, ShapeConfig
 
 
-class _DapoConfigBase:
-    """Methods of `DapoConfig` (below), whose fields are the flat union of rl/config.py's parts."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DapoConfig:
+    """DAPO / GRPO: what is sampled, which groups are kept, how they are padded, the loss, and when to stop.
+
+    Attributes:
+      generation: what the engine samples per prompt (`rl.GenerationConfig`).
+      data: how prompts become a step's groups (`rl.DataConfig`).
+      shapes: the learner's padded shapes (`rl.ShapeConfig`).
+      loss: advantages, PPO loss and updates (`rl.LossConfig`).
+      safety: when a broken engine stops the run (`rl.SafetyConfig`).
+    """
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    shapes: ShapeConfig = dataclasses.field(default_factory=ShapeConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    safety: SafetyConfig = dataclasses.field(default_factory=SafetyConfig)
 
     def __post_init__(self):
-        # Each part validates its own fields; then the rules that tie concerns together.
-        parts = {name: cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
-                 for name, cls in PARTS.items()}
-        object.__setattr__(self, "_parts", parts)  # not a field: eq / hash / repr stay the flat fields'
-        if self.prompt_batch_size % self.mini_batch_size:
-            raise ConfigError(f"prompt_batch_size={self.prompt_batch_size} must be a multiple of "
-                              f"mini_batch_size={self.mini_batch_size}")
-
-    @classmethod
-    def from_parts(cls, *, generation: GenerationConfig | None = None, data: DataConfig | None = None,
-                   shapes: ShapeConfig | None = None, loss: LossConfig | None = None,
-                   safety: SafetyConfig | None = None) -> "DapoConfig":
-        """DapoConfig from its parts (each None: that part's defaults)."""
-        given = dict(generation=generation, data=data, shapes=shapes, loss=loss, safety=safety)
-        flat = {}
-        for name, part in given.items():
-            if part is not None:
-                if not isinstance(part, PARTS[name]):
-                    raise TypeError(f"{name}= takes a {PARTS[name].__name__}, got {type(part).__name__}")
-                flat.update(dataclasses.asdict(part))
-        return cls(**flat)
-
-    @property
-    def generation(self) -> GenerationConfig:
-        return self._parts["generation"]
-
-    @property
-    def data(self) -> DataConfig:
-        return self._parts["data"]
-
-    @property
-    def shapes(self) -> ShapeConfig:
-        return self._parts["shapes"]
-
-    @property
-    def loss(self) -> LossConfig:
-        return self._parts["loss"]
-
-    @property
-    def safety(self) -> SafetyConfig:
-        return self._parts["safety"]
+        if self.data.prompt_batch_size % self.loss.mini_batch_size:
+            raise ConfigError(f"prompt_batch_size={self.data.prompt_batch_size} must be a multiple of "
+                              f"mini_batch_size={self.loss.mini_batch_size}")
 
     @property
     def rows_per_minibatch(self) -> int:
-        return self.mini_batch_size * self.n_samples
+        return self.loss.mini_batch_size * self.generation.n_samples
 
     @property
     def norm_constant(self) -> int:
         """L of seq-mean-token-sum-norm (Dr. GRPO): fixed across steps, the longest possible response."""
-        return self.loss_norm_constant or self.max_response_tokens
-
-
-def _flat_fields():
-    fields = []
-    for part in PARTS.values():
-        for f in dataclasses.fields(part):
-            fields.append((f.name, f.type, dataclasses.field(default=f.default)))
-    return fields
-
-
-# The gin surface: one keyword per setting, the names users set (`rl.DapoConfig.n_samples = 8`), exactly
-# the parts' fields, so a setting is declared (with its default and comment) once, in rl/config.py.
-DapoConfig = dataclasses.make_dataclass("DapoConfig", _flat_fields(), bases=(_DapoConfigBase,), frozen=True,
-                                        kw_only=True)
-DapoConfig.__module__ = __name__
-DapoConfig.__doc__ = ("DAPO / GRPO settings: the flat union of GenerationConfig, DataConfig, ShapeConfig, "
-                      "LossConfig and SafetyConfig (rl/config.py); `.generation`, `.data`, `.shapes`, `.loss`, "
-                      "`.safety` are the parts.")
+        return self.loss.loss_norm_constant or self.generation.max_response_tokens
 
 
 def shaped_rewards(cfg: DapoConfig, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -31,6 +31,8 @@ all have one shape [rows, L]:
                                                       batch_shards · ⌊M / L⌋ rows per micro-batch
     None, pack_sequences                              one micro-batch: rows of the longest sequence
                                                       (`batching.packed_row_length`), `round_rows` rows
+                                     + share_prompts  the same with shared-prompt units, rows of the
+                                                      longest prompt group
     None, not packed                                  one micro-batch: the view's rows (today's layout)
 
 Old logprobs are computed on exactly these micro-batches and scattered back into the view, where the
@@ -40,17 +42,25 @@ and the optimizer runs once per mini-batch (`step.make_apply_step`); with one mi
 `step.make_train_step` runs instead. Since ω comes from the whole mini-batch, every layout computes the
 same update (tests/test_micro_batches.py, tests/test_memory_equivalence.py).
 
-On-policy first mini-batch (`LossConfig.old_logprobs_from_update`, decoupled mode, ppo_epochs pass 1): no
-update has run yet when the first non-empty mini-batch trains, so its old logprobs are the update's own
-forward pass, stop-gradient (verl's `on_policy` shortcut), and `prepare` skips that forward:
+Deferred first mini-batch (`LossConfig.old_logprobs_from_update`, decoupled mode): no update has run yet when
+the first non-empty mini-batch trains, so its old logprobs are the update's own forward pass, stop-gradient
+(verl's `on_policy` shortcut), and `prepare` skips that forward. Its micro-batches then carry no
+old_logprobs / tis_weights (their view rows are 0; `PreparedBatch.deferred` says which mini-batch), and the
+loss, given a micro-batch without them, computes them from its forward:
 
     old_t = stop_gradient(new_t),  ratio_t = 1,  w_t, keep_t = tis.apply_rollout_correction(cfg, old, rollout)
 
-inside the jitted step. Only for a token-local correction (`RolloutCorrectionConfig.token_local`: token or
-no TIS, no masks, no self-normalization): w_t needs only token t, and keep = the response mask, so ω is
-known before the forward. The update writes those old logprobs and weights back into the PreparedBatch
-(for the later ppo_epochs passes and the view) and returns the `tis/*` metrics, computed on the whole view
-as `prepare` would (tests/test_learner_step.py: the same update and metrics as recomputing).
+and returns old and w [R, L] with its metrics. Only for a token-local correction
+(`RolloutCorrectionConfig.token_local`: token or no TIS, no masks, no self-normalization): w_t needs only
+token t, and keep = the response mask, so ω is known before the forward. `complete_deferred` (pure) puts
+those rows into a new PreparedBatch, with the `tis/*` metrics of the whole view: the one `prepare` returns
+when it recomputes (tests/test_learner_step.py). `update` trains the later ppo_epochs passes on it and
+returns its `tis/*` metrics; the PreparedBatch it was given is not modified.
+
+Served weights (`rl.PrecisionConfig.learner_precision = 'engine'`, `serve_weights_as(quantization)`): every forward
+above (old logprobs, the deferred mini-batch's, the loss) runs on `served_view.served_view(model, quantization)`, the
+projections as the engine serves them, with straight-through gradients to the masters in the loss. The default
+('master') jits exactly the functions it did before.
 
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
 every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
@@ -75,10 +85,12 @@ from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
 from portable_rl.learner_jax.memory import MemoryConfig
+from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
 from portable_rl.learner_jax.sharding import batch_shards, pad_rows, shard_batch, shard_model_and_optimizer, to_host
 from portable_rl.learner_jax.step import make_apply_step, make_grad_step, make_train_step, zero_grads
 from portable_rl.rl import batching
 from portable_rl.rl.batching import MicroBatchBudgetError
+from portable_rl.rl.served_view import served_view
 
 _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
 _SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pack_rollouts), else absent
@@ -87,6 +99,11 @@ _SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pac
 def _view(batch: dict) -> dict:
     """The per-sequence arrays the layouts move into rows: _VIEW_KEYS, and the sampling support if any."""
     return {k: batch[k] for k in _VIEW_KEYS + ((_SUPPORT,) if _SUPPORT in batch else ())}
+
+
+def _sequences(layouts: list[batching.Layout]) -> np.ndarray:
+    """The view rows a mini-batch's micro-batches hold, each once, in order."""
+    return np.unique(np.concatenate([lay.seq for lay in layouts]))
 
 
 # policy_loss metrics are means over the loss mask (combined over micro-batches weighted by their tokens),
@@ -102,22 +119,26 @@ def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
                              sampling_support=batch.get(_SUPPORT))
 
 
-def make_loss_fn(cfg, temperature: float, chunk_tokens=None, on_policy_correction=None):
+def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, model_view=None):
     """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
     and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings.
+    `model_view(model)`: the model the forward runs (the served view, `Learner.serve_weights_as`); None: `model`.
 
-    `on_policy_correction` (a token-local `tis.RolloutCorrectionConfig`): the batch's old logprobs are this
-    forward pass's, stop-gradient, and its TIS weights are computed here from them (module doc); both are
-    returned among the metrics as [R, L] arrays (`_ON_POLICY_ARRAYS`)."""
+    A micro-batch of the deferred mini-batch (no `old_logprobs`; module doc) takes its old logprobs from this
+    forward pass, stop-gradient, and its TIS weights from them with `correction` (token-local); both are
+    returned among the metrics as [R, L] arrays (`DEFERRED_KEYS`). The branch is on the batch's keys, so it is
+    decided when jit traces: one jitted step serves both kinds of micro-batch."""
     def loss_fn(model, batch):
+        if model_view is not None:
+            model = model_view(model)
         new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
-        arrays = {}
-        if on_policy_correction is not None:
+        deferred = {}
+        if "old_logprobs" not in batch:
             old = jax.lax.stop_gradient(new_logp) * batch["response_mask"]             # [R, L]
-            weights, _, _ = tis.apply_rollout_correction(on_policy_correction, old, batch["rollout_logprobs"],
+            weights, _, _ = tis.apply_rollout_correction(correction, old, batch["rollout_logprobs"],
                                                          batch["response_mask"])
-            batch = dict(batch, old_logprobs=old, tis_weights=weights)
-            arrays = {"old_logprobs": old, "tis_weights": weights}
+            deferred = {"old_logprobs": old, "tis_weights": weights}
+            batch = dict(batch, **deferred)
         mask = batch["response_mask"] * batch["keep_mask"]                          # [R, L]
         loss, metrics = policy_loss(
             new_logp, batch["old_logprobs"], batch["advantages"], mask,
@@ -130,27 +151,41 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, on_policy_correctio
         sums = {k: v if k in _MAX_METRICS else v * tokens for k, v in metrics.items()}
         valid = batch["response_mask"] > 0
         sums.update(entropy=jnp.where(valid, entropy, 0.0).sum(), entropy_tokens=valid.sum().astype(jnp.float32),
-                    tokens=tokens, **arrays)
+                    tokens=tokens, **deferred)
         return loss, sums
     return loss_fn
 
 
-_ON_POLICY_ARRAYS = ("old_logprobs", "tis_weights")  # [R, L] outputs of an on-policy step, not metrics
+DEFERRED_KEYS = ("old_logprobs", "tis_weights")  # what the deferred mini-batch's update computes: [R, L] arrays
 _LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode")
 
 
+MASTER = "master"  # `_jitted`'s `served`: the learner's own weights (rl.PrecisionConfig.learner_precision)
+
+
 @functools.lru_cache(maxsize=8)
-def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction):
+def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction, served=MASTER):
     """The learner's jitted functions, shared by learners whose loss settings agree (the aggregation is
-    host-side, in the token weights), so a second learner of the same model reuses the compilations."""
-    loss_fn = make_loss_fn(settings, temperature, chunk_tokens)
-    on_policy_fn = make_loss_fn(settings, temperature, chunk_tokens, on_policy_correction=correction)
+    host-side, in the token weights), so a second learner of the same model reuses the compilations.
+    `served`: MASTER, or the engine's `quantization` whose served weights the forwards use (`serve_weights_as`)."""
+    if served == MASTER:
+        view = ste_view = None
+    else:
+        view = functools.partial(served_view, quantization=served)
+        ste_view = functools.partial(served_view, quantization=served, straight_through=True)
+    on = (lambda m: m) if view is None else view
+    loss_fn = make_loss_fn(settings, temperature, chunk_tokens, correction, model_view=ste_view)
     return dict(
-        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(m, ids, am, temperature, chunk_tokens=chunk_tokens)[0]),
-        row_logprobs=nnx.jit(lambda m, b: row_logprobs(m, b, temperature, chunk_tokens)[0]),
-        correct=jax.jit(functools.partial(tis.apply_rollout_correction, correction)),
-        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step(),
-        on_policy_train_step=make_train_step(on_policy_fn), on_policy_grad_step=make_grad_step(on_policy_fn))
+        logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(on(m), ids, am, temperature,
+                                                              chunk_tokens=chunk_tokens)[0]),
+        row_logprobs=nnx.jit(lambda m, b: row_logprobs(on(m), b, temperature, chunk_tokens)[0]),
+        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
+
+
+@functools.lru_cache(maxsize=8)
+def _correction_fn(correction: tis.RolloutCorrectionConfig):
+    """jitted `tis.apply_rollout_correction(correction, old, rollout, mask)`: one compilation per config."""
+    return jax.jit(functools.partial(tis.apply_rollout_correction, correction))
 
 
 def combine_metrics(parts: list[dict]) -> dict:
@@ -168,25 +203,116 @@ def combine_metrics(parts: list[dict]) -> dict:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class DeferredMiniBatch:
+    """The mini-batch whose old logprobs and TIS weights its own update computes (module doc), and what
+    `complete_deferred` needs to finish the correction of the whole view."""
+    index: int                           # in PreparedBatch.micro_batches
+    layouts: list[batching.Layout]       # of its micro-batches
+    rollout_logprobs: np.ndarray         # [N, T] of the view
+    response_mask: np.ndarray            # [N, T]
+
+
+@dataclasses.dataclass(frozen=True)
 class PreparedBatch:
     """What `Learner.prepare` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
     old_logprobs, tis_weights, keep_mask, token_weights), the per-sequence views [N, T] of the
     correction, and the `tis/*` + `batch/*` metrics. `policy_version`: the learner's update count when
     the old logprobs were computed (None in bypass: they are the rollout's, of no learner policy).
-    `on_policy`: the index of the mini-batch whose old logprobs and weights its update computes (module
-    doc; their entries here are 0 until `update` writes them), with its `layouts`, the view's
-    `rollout_logprobs` and `response_mask`; None: everything was computed here."""
+    `deferred`: the mini-batch whose update computes its old logprobs (its micro-batches lack
+    old_logprobs / tis_weights, its view rows are 0, and there are no `tis/*` metrics yet); None: all
+    computed here."""
     micro_batches: list[list[dict]]
     old_logprobs: np.ndarray
     tis_weights: np.ndarray
     keep_mask: np.ndarray
     metrics: dict
     policy_version: int | None = None
-    on_policy: int | None = None
-    layouts: list | None = None
-    rollout_logprobs: np.ndarray | None = None
-    response_mask: np.ndarray | None = None
+    deferred: DeferredMiniBatch | None = None
+
+
+def complete_deferred(prepared: PreparedBatch, rows: list[dict],
+                      correction: tis.RolloutCorrectionConfig) -> PreparedBatch:
+    """A new PreparedBatch: `prepared` with its deferred mini-batch's `rows` (per micro-batch, its update's
+    `DEFERRED_KEYS` [R, L] host arrays) written into its micro-batches and views, and the `tis/*` metrics
+    of the whole view added; what `prepare` returns when it recomputes. `prepared` is not modified."""
+    deferred = prepared.deferred
+    old, weights = prepared.old_logprobs.copy(), prepared.tis_weights.copy()            # [N, T]
+    for layout, r in zip(deferred.layouts, rows):
+        layout.to_view(r["old_logprobs"], old)
+        layout.to_view(r["tis_weights"], weights)
+    _, _, metrics = _correction_fn(correction)(old, deferred.rollout_logprobs, deferred.response_mask)
+    micro = list(prepared.micro_batches)
+    micro[deferred.index] = [dict(mb, **r) for mb, r in zip(micro[deferred.index], rows)]
+    return dataclasses.replace(
+        prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
+        metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()}})
+
+
+# ------------------------------------------------------------------------------ micro-batch layouts
+# One function per row of the module doc's layout table: the sequences `seq` (view rows, none empty) of one
+# mini-batch, of lengths `lens` → the Layouts of its micro-batches, all of one shape. Learner.micro_layouts
+# picks one.
+
+def _packed_in_budget(seq, lens, *, budget, shards):
+    """First-fit decreasing into rows of `budget` tokens, `shards` rows per micro-batch."""
+    return batching.split_rows_of(batching.packed(seq, lens, budget), shards)
+
+
+def _shared_prompts_in_budget(seq, lens, *, batch, budget, shards):
+    """The same with each prompt's sequences as shared-prompt units."""
+    prompt_lens, keys = _prompts(batch, seq)
+    return batching.split_rows_of(batching.shared_prompt_packed(seq, lens, prompt_lens, keys, budget), shards)
+
+
+def _one_per_row_in_budget(seq, lens, *, budget, view_len, shards):
+    """One sequence per row of L = min(T, budget) tokens, shards · ⌊budget / L⌋ rows per micro-batch."""
+    length = min(view_len, budget)
+    rows = shards * max(budget // length, 1)
+    return [batching.one_per_row(seq[j:j + rows], lens[j:j + rows], rows, length) for j in range(0, len(seq), rows)]
+
+
+def _packed_one_call(seq, lens, *, row_tokens, shards):
+    """One micro-batch: first-fit decreasing into rows of `row_tokens` (the whole batch's longest sequence)."""
+    return [batching.packed(seq, lens, row_tokens, shards)]
+
+
+def _shared_prompts_one_call(seq, lens, *, batch, shards, min_len):
+    """One micro-batch of shared-prompt units, in rows of this mini-batch's longest prompt group."""
+    prompt_lens, keys = _prompts(batch, seq)
+    longest = int(batching.shared_prompt_group_tokens(lens, prompt_lens, keys).max())
+    row_tokens = batching.packed_row_length(longest, min_len)
+    return [batching.shared_prompt_packed(seq, lens, prompt_lens, keys, row_tokens, shards)]
+
+
+def _view_rows(seq, lens, *, rows, view_len):
+    """One micro-batch: the view's own `rows` rows of this mini-batch (`rows` = rows_per_minibatch)."""
+    return [batching.one_per_row(seq, lens, rows, view_len, row=seq % rows)]
+
+
+def _prompts(batch, seq):
+    """Prompt lengths [n] of the sequences `seq`, and their prompt tokens as bytes (equal bytes: one group)."""
+    prompt_lens = np.asarray(batch["prompt_len"])[seq]
+    return prompt_lens, [batch["input_ids"][i, :p].tobytes() for i, p in zip(seq, prompt_lens)]
+
+
+def _sequence_lengths(batch: dict, budget: int | None) -> np.ndarray:
+    """[N] lengths of the one-sequence-per-row view's sequences; refuses any other batch, and a sequence
+    over the token budget."""
+    if "seq_len" not in batch:
+        raise ValueError("the batch has no per-sequence index (seq_len, ...); build it with "
+                         "dapo.build_batch or batching.pack_rollouts")
+    lengths = np.asarray(batch["seq_len"])                                            # [N]
+    one_per_row = (np.asarray(batch["seq_row"]) == np.arange(len(lengths))).all()
+    if not one_per_row or (np.asarray(batch["seq_start"]) != 0).any():
+        raise ValueError("Learner.prepare takes the one-sequence-per-row view (pack_rollouts(pack=False), "
+                         "as dapo.build_batch makes it); the learner packs the micro-batches itself")
+    if budget is not None and lengths.size and lengths.max() > budget:
+        raise MicroBatchBudgetError(
+            f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
+            f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
+            f"{int(lengths.max())}")
+    return lengths
 
 
 class Learner:
@@ -216,65 +342,64 @@ class Learner:
             if unpacked_one_call and cfg.rows_per_minibatch % self.shards:
                 raise ConfigError(f"rows_per_minibatch={cfg.rows_per_minibatch} (mini_batch_size × n_samples) is not "
                                   f"a multiple of the mesh's {self.shards} batch shards (data × fsdp)")
-        loss = cfg.loss
-        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
-                      cfg.generation.temperature, self.memory.logprob_chunk_tokens, correction)
-        self._logprobs, self._row_logprobs, self._correct = fns["logprobs"], fns["row_logprobs"], fns["correct"]
-        self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
-        self._on_policy_steps = (fns["on_policy_train_step"], fns["on_policy_grad_step"])
+        self.served = MASTER  # the weights its forwards use (`serve_weights_as`)
+        self._use_jitted()
+        self._correct = _correction_fn(correction)
         # the first mini-batch's old logprobs from its own update (module doc): decoupled, token-local correction
-        self.on_policy_first = (not self.bypass and cfg.loss.old_logprobs_from_update
-                                and correction.token_local)
+        self.defers_first_mini_batch = (not self.bypass and cfg.loss.old_logprobs_from_update
+                                        and correction.token_local)
+
+    def _use_jitted(self):
+        loss = self.cfg.loss
+        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
+                      self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served)
+        self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
+        self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
+
+    @property
+    def serves_engine_weights(self) -> bool:
+        return self.served != MASTER
+
+    def serve_weights_as(self, quantization: str | None, smoothing=None) -> None:
+        """From now on, old logprobs, the PPO ratio and the loss (and `logprobs`) use the weights an engine
+        reporting `quantization` serves: its weight quantizer on the master projections inside the forward,
+        straight-through gradients to the masters (rl/served_view.py; `rl.PrecisionConfig.learner_precision =
+        'engine'`). train() calls it once the engine's quantization is known. `smoothing`: refused (not emulated)."""
+        if quantization not in SERVED_WEIGHTS:
+            supported = ", ".join(map(repr, SERVED_WEIGHTS))
+            raise ConfigError(f"learner_precision='engine': the engine's quantization {quantization!r} has no JAX "
+                              f"quantizer (supported: {supported}); use rl.PrecisionConfig.learner_precision = 'master'")
+        if smoothing is not None:
+            raise ConfigError("learner_precision='engine' does not emulate SmoothQuant's rescaling; set "
+                              "rl.PrecisionConfig.smoothquant_alpha = None or learner_precision = 'master'")
+        self.served = quantization
+        self._use_jitted()
 
     # ------------------------------------------------------------------------------ layout
     def micro_layouts(self, batch: dict) -> list[list[batching.Layout]]:
         """Per mini-batch, the `batching.Layout`s of its micro-batches (all of one shape; module doc)."""
-        rpm, mem, shards = self.cfg.rows_per_minibatch, self.memory, self.shards
+        mem, budget, shards = self.memory, self.memory.max_tokens_per_micro_batch, self.shards
+        rpm, min_len = self.cfg.rows_per_minibatch, self.cfg.shapes.min_seq_bucket
+        lengths = _sequence_lengths(batch, budget)                                    # [N]
         view_rows, view_len = batch["input_ids"].shape
-        if "seq_len" not in batch:
-            raise ValueError("the batch has no per-sequence index (seq_len, ...); build it with "
-                             "dapo.build_batch or batching.pack_rollouts")
-        lengths = np.asarray(batch["seq_len"])                                        # [N]
-        one_per_row = (np.asarray(batch["seq_row"]) == np.arange(len(lengths))).all()
-        if not one_per_row or (np.asarray(batch["seq_start"]) != 0).any():
-            raise ValueError("Learner.prepare takes the one-sequence-per-row view (pack_rollouts(pack=False), "
-                             "as dapo.build_batch makes it); the learner packs the micro-batches itself")
-        budget = mem.max_tokens_per_micro_batch
-        if budget is not None and lengths.size and lengths.max() > budget:
-            raise MicroBatchBudgetError(
-                f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
-                f"train.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
-                f"{int(lengths.max())}")
-        row_len = batching.packed_row_length(int(lengths.max(initial=1)), self.cfg.shapes.min_seq_bucket)
+        if budget is not None and mem.share_prompts:
+            layout = functools.partial(_shared_prompts_in_budget, batch=batch, budget=budget, shards=shards)
+        elif budget is not None and mem.pack_sequences:
+            layout = functools.partial(_packed_in_budget, budget=budget, shards=shards)
+        elif budget is not None:
+            layout = functools.partial(_one_per_row_in_budget, budget=budget, view_len=view_len, shards=shards)
+        elif mem.share_prompts:
+            layout = functools.partial(_shared_prompts_one_call, batch=batch, shards=shards, min_len=min_len)
+        elif mem.pack_sequences:
+            row_tokens = batching.packed_row_length(int(lengths.max(initial=1)), min_len)
+            layout = functools.partial(_packed_one_call, row_tokens=row_tokens, shards=shards)
+        else:
+            layout = functools.partial(_view_rows, rows=rpm, view_len=view_len)
         out = []
         for first in range(0, view_rows, rpm):
             seq = np.arange(first, min(first + rpm, len(lengths)))                   # view rows of this mini-batch
-            seq = seq[lengths[seq] > 0] if seq.size else seq
-            if not seq.size:
-                out.append([])
-                continue
-            lens = lengths[seq]
-            if mem.share_prompts:
-                prompt_lens = np.asarray(batch["prompt_len"])[seq]
-                keys = [batch["input_ids"][i, :p].tobytes() for i, p in zip(seq, prompt_lens)]
-                if budget is None:  # one call: rows of the longest prompt group
-                    longest = int(batching.shared_prompt_group_tokens(lens, prompt_lens, keys).max())
-                    row = batching.packed_row_length(longest, self.cfg.shapes.min_seq_bucket)
-                    out.append([batching.shared_prompt_packed(seq, lens, prompt_lens, keys, row, shards)])
-                else:
-                    out.append(batching.split_rows_of(
-                        batching.shared_prompt_packed(seq, lens, prompt_lens, keys, budget), shards))
-            elif budget is None and not mem.pack_sequences:
-                out.append([batching.one_per_row(seq, lens, rpm, view_len, row=seq - first)])
-            elif budget is None:
-                out.append([batching.packed(seq, lens, row_len, shards)])
-            elif mem.pack_sequences:
-                out.append(batching.split_rows_of(batching.packed(seq, lens, budget), shards))
-            else:
-                length = min(view_len, budget)
-                per = shards * max(budget // length, 1)
-                out.append([batching.one_per_row(seq[j:j + per], lens[j:j + per], per, length)
-                            for j in range(0, len(seq), per)])
+            seq = seq[lengths[seq] > 0]
+            out.append(layout(seq, lengths[seq]) if seq.size else [])
         return out
 
     def _device(self, arrays: dict) -> dict:
@@ -327,36 +452,37 @@ class Learner:
         `batching.pack_rollouts` per-sequence view, not modified) → the `PreparedBatch` `update` takes.
 
         Decoupled: old logprobs from one forward pass per micro-batch of the current policy, then the
-        correction; with `on_policy_first`, not for the first non-empty mini-batch (its update computes
-        them, and the `tis/*` metrics come from `update`). Bypass: old := rollout logprobs, weights 1,
-        nothing rejected, no forward pass."""
+        correction; with `defers_first_mini_batch`, not for the first non-empty mini-batch (its update
+        computes them, and the `tis/*` metrics come from `update`). Bypass: old := rollout logprobs,
+        weights 1, nothing rejected, no forward pass."""
         layouts = self.micro_layouts(batch)
         mask = np.asarray(batch["response_mask"], np.float32)
-        on_policy = next((i for i, mini in enumerate(layouts) if mini), None) if self.on_policy_first else None
+        deferred = next((i for i, mini in enumerate(layouts) if mini), None) if self.defers_first_mini_batch else None
         if self.bypass:
             old = np.asarray(batch["rollout_logprobs"], np.float32) * mask
             weights, keep, metrics = mask.copy(), np.ones_like(mask), {}
         else:
-            old = self.old_logprobs(batch, layouts, skip=on_policy)
+            old = self.old_logprobs(batch, layouts, skip=deferred)
             weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
             weights, keep = np.array(weights), np.asarray(keep)
-            if on_policy is not None:  # token-local: keep is the mask; the update fills in these rows' weights
-                weights[np.unique(np.concatenate([lay.seq for lay in layouts[on_policy]]))] = 0.0
+            if deferred is not None:  # token-local: keep is the mask; the update computes these rows' weights
+                weights[_sequences(layouts[deferred])] = 0.0
                 metrics = {}
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
         view = _view(batch)
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
                     token_weights=np.zeros_like(loss_mask))
         micro, padding, tokens, rows, laid_out = [], 0, 0, 0, 0
-        for mini in layouts:
+        for index, mini in enumerate(layouts):
             if not mini:
                 micro.append([])
                 continue
-            seq = np.unique(np.concatenate([lay.seq for lay in mini]))                   # view rows of it
+            seq = _sequences(mini)                                                       # view rows of it
             view["token_weights"][seq] = loss_token_weights(
                 loss_mask[seq], self.cfg.loss.loss_aggregation, self.cfg.norm_constant,
                 num_sequences=len(seq))
-            micro.append([lay.arrays(view) for lay in mini])
+            arrays = view if index != deferred else {k: v for k, v in view.items() if k not in DEFERRED_KEYS}
+            micro.append([lay.arrays(arrays) for lay in mini])
             padding += sum(lay.padding_tokens for lay in mini)
             laid_out += sum(int(lay.length.sum()) for lay in mini)
             tokens += sum(lay.rows * lay.row_tokens for lay in mini)
@@ -367,11 +493,11 @@ class Learner:
                     "batch/learner_tokens": laid_out,
                     "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
                     "batch/micro_batches": sum(len(m) for m in layouts)})
-        return PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
-                             metrics=out, policy_version=None if self.bypass else self.updates,
-                             on_policy=on_policy, layouts=layouts if on_policy is not None else None,
-                             rollout_logprobs=batch["rollout_logprobs"] if on_policy is not None else None,
-                             response_mask=batch["response_mask"] if on_policy is not None else None)
+        return PreparedBatch(
+            micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep, metrics=out,
+            policy_version=None if self.bypass else self.updates,
+            deferred=None if deferred is None else DeferredMiniBatch(
+                deferred, layouts[deferred], batch["rollout_logprobs"], batch["response_mask"]))
 
     # ------------------------------------------------------------------------------ update
     def step(self, batch: dict) -> dict:
@@ -379,34 +505,39 @@ class Learner:
         prepared = self.prepare(batch)
         return {**prepared.metrics, **self.update(prepared)}
 
-    def update(self, prepared: PreparedBatch) -> dict:
-        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates."""
+    def _check_fresh(self, prepared: PreparedBatch, what: str) -> None:
         if not isinstance(prepared, PreparedBatch):
-            raise TypeError("Learner.update takes the PreparedBatch returned by Learner.prepare(batch)")
+            raise TypeError(f"Learner.{what} takes the PreparedBatch returned by Learner.prepare(batch)")
         if prepared.policy_version is not None and prepared.policy_version != self.updates:
             raise ValueError(f"this PreparedBatch's old logprobs are of the policy before update "
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
                              "update(s) ran since; prepare it again right before updating (Learner.step does both)")
+
+    def update(self, prepared: PreparedBatch) -> dict:
+        """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates,
+        and with a deferred mini-batch the `tis/*` metrics (module doc). `prepared` is not modified."""
+        self._check_fresh(prepared, "update")
         self.updates += 1
         history, tis_metrics = [], {}
-        for epoch in range(self.cfg.loss.ppo_epochs):
+        for _ in range(self.cfg.loss.ppo_epochs):
             for index, micro in enumerate(prepared.micro_batches):
                 if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue
-                on_policy = epoch == 0 and index == prepared.on_policy  # old logprobs: this forward's (module doc)
-                train_step, grad_step = self._on_policy_steps if on_policy else (self._train_step, self._grad_step)
                 with self._on_mesh():
                     if len(micro) == 1:
-                        parts = [train_step(self.model, self.optimizer, self._device(micro[0]))]
+                        parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
                         applied = parts[0]
                     else:
                         grads, parts = zero_grads(self.model), []
                         for mb in micro:
-                            grads, m = grad_step(self.model, self._device(mb), grads)
+                            grads, m = self._grad_step(self.model, self._device(mb), grads)
                             parts.append(m)
                         applied = self._apply_step(self.model, self.optimizer, grads)
-                if on_policy:
-                    tis_metrics = self._fill_on_policy(prepared, index, parts)
+                if prepared.deferred is not None and index == prepared.deferred.index:
+                    # this forward gave the old logprobs: later passes (ppo_epochs > 1) train on the completed batch
+                    rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
+                    prepared = complete_deferred(prepared, rows, self.correction)
+                    tis_metrics = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
                 parts = jax.device_get(parts)
                 update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
                 update.update({k: float(v) for k, v in jax.device_get(applied).items()
@@ -416,14 +547,34 @@ class Learner:
             return tis_metrics
         return {**tis_metrics, **{f"train/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}}
 
-    def _fill_on_policy(self, prepared: PreparedBatch, index: int, parts: list[dict]) -> dict:
-        """Writes the old logprobs and TIS weights an on-policy update computed (popped from `parts`) into
-        its micro-batches and the PreparedBatch's views; returns the `tis/*` metrics of the whole view."""
-        for mb, layout, part in zip(prepared.micro_batches[index], prepared.layouts[index], parts):
-            for key in _ON_POLICY_ARRAYS:
-                rows = to_host(part.pop(key))
-                mb[key] = rows
-                layout.to_view(rows, prepared.old_logprobs if key == "old_logprobs" else prepared.tis_weights)
-        prepared.on_policy = None  # filled: a later pass (ppo_epochs > 1) uses these like recomputed ones
-        _, _, metrics = self._correct(prepared.old_logprobs, prepared.rollout_logprobs, prepared.response_mask)
-        return {f"tis/{k}": float(v) for k, v in metrics.items()}
+    def gradient(self, prepared: PreparedBatch) -> tuple[np.ndarray, dict]:
+        """The policy-loss gradient at the current weights, with no optimizer update: per non-empty mini-batch
+        the sum over its micro-batches of ∇loss (what `update`'s first pass hands the optimizer, the deferred
+        mini-batch's own forward included), then the mean over mini-batches, flattened in `jax.tree.leaves`
+        order of the model's `nnx.Param`s → (float32 [num_params], the deferred mini-batch's `tis/*` and the
+        `train/*` loss metrics). The weights, the optimizer and `updates` are unchanged, so the same
+        PreparedBatch may still go to `update`."""
+        self._check_fresh(prepared, "gradient")
+        total, minis, parts_all, tis_metrics = None, 0, [], {}
+        for index, micro in enumerate(prepared.micro_batches):
+            if not any(mb["response_mask"].any() for mb in micro):
+                continue
+            with self._on_mesh():
+                grads, parts = zero_grads(self.model), []
+                for mb in micro:
+                    grads, m = self._grad_step(self.model, self._device(mb), grads)
+                    parts.append(m)
+            if prepared.deferred is not None and index == prepared.deferred.index:
+                rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
+                tis_metrics = {k: v for k, v in complete_deferred(prepared, rows, self.correction).metrics.items()
+                               if k.startswith("tis/")}
+            flat = np.concatenate([np.asarray(jax.device_get(g), np.float32).ravel() for g in jax.tree.leaves(grads)])
+            total = flat if total is None else total + flat
+            minis += 1
+            parts_all += [{k: float(v) for k, v in p.items()} for p in jax.device_get(parts)]
+        if total is None:
+            size = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+            return np.zeros(size, np.float32), tis_metrics
+        total /= minis
+        metrics = {f"train/{k}": v for k, v in combine_metrics(parts_all).items()}
+        return total, {**tis_metrics, **metrics, "train/grad_norm": float(np.linalg.norm(total))}

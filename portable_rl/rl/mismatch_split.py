@@ -33,6 +33,10 @@ Q, per the engine's `quantization` (engines/base.py):
     "int8_per_channel"   INT8 W8A8's per-output-channel int8 weights     against the engine's own values),
                          after the push's SmoothQuant factors when it carries them (`convert.smoothing`)
     anything else        not modelled: no quantization / kernels parts (a warning, once); probe/kl as before
+The quantized copy is `served_view.serve_as_engine`'s, the served view the learner trains on with
+`rl.PrecisionConfig.learner_precision = 'engine'`; such a learner's own forward already is q, so the split runs no
+extra forward for it: q = a, mismatch/quantization = 0 and mismatch/kernels = probe/kl exactly
+(tests/test_learner_precision.py checks that its logprobs equal `quantized_learner`'s bit for bit).
 
 Staleness (async rollouts, rl/async_rollout.py: step k+1's batch was sampled by the engine serving θ_{k−1}
 while the learner holds θ_k). The previous probe's rows y ~ π_engine(θ_{k−1}) and their learner logprobs
@@ -59,21 +63,14 @@ import numpy as np
 from flax import nnx
 
 from portable_rl.convert.hf import get_param
-from portable_rl.convert.mapping import param_mappings
-from portable_rl.convert.smoothing import Smoothing
 from portable_rl.engines.probe import compare_logprobs
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
+from portable_rl.rl.served_view import quantized_kernels, serve_as_engine
 from portable_rl.rl.update_survival import projection_paths
 
 # engine `quantization` → its weight quantizer on an NNX kernel [in, out] (output channels are columns)
 WEIGHT_QUANTIZERS = {k: v for k, v in SERVED_WEIGHTS.items() if k is not None}
 MODELLED = (None, *WEIGHT_QUANTIZERS)
-
-
-@functools.partial(jax.jit, static_argnames=("quantization",))
-def _quantized_kernels(kernels, quantization):
-    quantize = WEIGHT_QUANTIZERS[quantization]
-    return [quantize(k).astype(k.dtype) for k in kernels]
 
 
 def with_quantized_projections(model, quantization: str):
@@ -83,34 +80,20 @@ def with_quantized_projections(model, quantization: str):
     graphdef, state = nnx.split(model)
     quantized_model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables, the same arrays
     kernels = [get_param(model, p)[...] for p in paths]
-    for path, kernel, q in zip(paths, kernels, _quantized_kernels(kernels, quantization)):
+    for path, kernel, q in zip(paths, kernels, quantized_kernels(kernels, quantization)):
         get_param(quantized_model, path)[...] = jax.device_put(q, kernel.sharding)  # a no-op when it matches
     return quantized_model
-
-
-def _serve_as_engine(model, quantization: str, smoothing_factors) -> None:
-    """Turns `model` (a copy inside a trace) into the weights the engine serves: the push's SmoothQuant
-    rescaling (`convert.smoothing`, when `smoothing_factors`), then the weight quantizer of every projection."""
-    if smoothing_factors is not None:
-        smoothing = Smoothing(smoothing_factors)
-        for m in param_mappings(model.config):
-            if m.hf_name in smoothing.transforms:
-                param = get_param(model, m.nnx_path)
-                param[...] = smoothing.apply(m.hf_name, param[...])
-    paths = projection_paths(model.config)
-    for path, q in zip(paths, _quantized_kernels([get_param(model, p)[...] for p in paths], quantization)):
-        get_param(model, path)[...] = q
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "quantization", "forward"))
 def _forward_of_state(state, input_ids, attention_mask, smoothing_factors=None, *, graphdef, quantization, forward):
     """`forward(model, input_ids, attention_mask)` of the model (`graphdef`, `state`), served as the engine
-    serves it (`_serve_as_engine`) unless `quantization` is None, in one XLA program: the quantized kernels
+    serves it (`served_view.serve_as_engine`) unless `quantization` is None, in one XLA program: the quantized kernels
     are temporaries of it (no model copy to build), and the call costs one jit dispatch on the state, not an
     `nnx.jit`'s."""
     model = nnx.merge(graphdef, state)  # a copy inside the trace: the caller's model is not changed
     if quantization is not None:
-        _serve_as_engine(model, quantization, smoothing_factors)
+        serve_as_engine(model, quantization, smoothing_factors)
     return forward(model, input_ids, attention_mask)
 
 
@@ -164,6 +147,8 @@ def extra_forwards(learner, message: dict) -> dict:
     out = {}
     if plan is None:
         return out
+    if learner.serves_engine_weights:  # its own forward is the quantized one (q = a): no extra forward
+        plan = dict(plan, quantizer=None)
     rows = plan["previous_rows"]
     if plan["quantizer"] is not None and rows is not None:  # async: both forwards in one call
         probe_rows = len(message["input_ids"])

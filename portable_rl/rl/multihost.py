@@ -73,8 +73,8 @@ class Processes:
         if len(payload) >= 2**31:
             raise ValueError(f"broadcast of {len(payload)} bytes: more than 2 GiB in one step's batch")
         size = int(multihost_utils.broadcast_one_to_all(np.array([len(payload)], np.int32))[0])
-        # Sent in a bucketed buffer: every new shape compiles a new jitted sum (0.1-0.4 s on this box), and
-        # the batch's size changes every step; with buckets a run compiles a few shapes once.
+        # Sent in a bucketed buffer: every new shape compiles a new jitted sum, and the batch's size
+        # changes every step; with buckets a run compiles a few shapes once.
         buffer = np.zeros(padded_size(size), np.uint8)
         if self.is_driver:
             buffer[:size] = np.frombuffer(payload, np.uint8)

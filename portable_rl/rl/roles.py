@@ -9,28 +9,27 @@
         → batch + advantages (dapo.build_batch)
     wait_rollouts(): async: the in-flight generation               (nothing)
     push(): weight export (gathers) → torch → engine reload        push(): the same export, gathers only
-    probe(): engine samples, the learner scores                    probe(): the learner scores the same rows
-        (and the mismatch split's extra forwards)                      (the same extra forwards)
     heldout(): greedy held-out accuracy through the engine         heldout(): {}
     write(step, m): metrics.jsonl + TensorBoard; plots()           write: the row, nothing written
 
 train.py asks once which role this process has and then calls the same methods in the same order on
 every process, so every collective (rl/multihost.py) is joined by all of them. With one process the engine
-side broadcasts nothing and the loop is the single-process loop.
+side broadcasts nothing and the loop is the single-process loop. Both push for the same `Serving` (the
+engine's quantization and the push's SmoothQuant factors, rl/diagnostics.py); the diagnostics after the push
+have their own driver and follower halves (rl/diagnostics.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from portable_rl.errors import ConfigError
 from portable_rl.rl.async_rollout import rollout_source
 from portable_rl.rl.dapo import build_batch
+from portable_rl.rl.diagnostics import Serving
 from portable_rl.rl.evaluation import evaluate_examples
-from portable_rl.rl.mismatch_split import MismatchSplit
 from portable_rl.rl.multihost import Processes, groups_from_wire, groups_to_wire, wire_bytes
 from portable_rl.rl.rollout import collect_groups
-from portable_rl.rl.sync import follow_probe, join_weight_export, push_weights, run_probe
+from portable_rl.rl.sync import join_weight_export, push_weights
 
 
 def batch_of(cfg, groups, pad_id: int, metrics: dict):
@@ -46,18 +45,12 @@ def batch_of(cfg, groups, pad_id: int, metrics: dict):
 class EngineSide:
     """Owns the engine, the task draws, evaluation and the run directory's logs."""
 
-    def __init__(self, *, engine, writer, codec, task, reward_fn, cfg, seed: int, held_out, greedy, probe_ids,
-                 async_rollouts: bool, procs: Processes = Processes(), mismatch_split: bool = True):
-        """`mismatch_split`: split the probe's KL by source (rl/mismatch_split.py); staleness when async."""
-        if not isinstance(mismatch_split, bool):
-            raise ConfigError(f"train.mismatch_split={mismatch_split!r}: set True or False (the mismatch/* "
-                              "split of the post-sync probe)")
-        self.engine, self.writer, self.codec, self.task, self.reward_fn = engine, writer, codec, task, reward_fn
-        self.cfg, self.seed, self.held_out, self.greedy, self.probe_ids = cfg, seed, held_out, greedy, probe_ids
-        self.procs = procs
-        self.split = MismatchSplit(staleness=async_rollouts) if mismatch_split else None
+    def __init__(self, *, engine, serving: Serving, writer, codec, task, reward_fn, cfg, seed: int, held_out,
+                 greedy, async_rollouts: bool, procs: Processes = Processes()):
+        self.engine, self.serving, self.writer, self.codec, self.procs = engine, serving, writer, codec, procs
+        self.task, self.reward_fn, self.cfg, self.seed = task, reward_fn, cfg, seed
+        self.held_out, self.greedy = held_out, greedy
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
-        self.smoothing = None  # SmoothQuant factors of an INT8 engine's pushes (rl.sync.smoothquant_for_run)
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
         return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
@@ -85,12 +78,7 @@ class EngineSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")  # others wait here, not in a gather (async: generation runs on)
-        push_weights(self.engine, model, model_config, smoothing=self.smoothing)
-
-    def probe(self, learner) -> dict:
-        return run_probe(self.engine, learner, self.probe_ids, temperature=self.cfg.temperature,
-                         max_tokens=self.cfg.max_response_tokens, pad_id=self.codec.pad_id,
-                         share=self.procs.broadcast, split=self.split, smoothing=self.smoothing)
+        push_weights(self.engine, model, model_config, smoothing=self.serving.smoothing)
 
     def heldout(self) -> dict:
         summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)
@@ -115,10 +103,8 @@ class EngineSide:
 class FollowerSide:
     """Any process but the driver: receives what the driver broadcasts and joins every collective."""
 
-    def __init__(self, procs: Processes, *, cfg, pad_id: int):
-        self.procs, self.cfg, self.pad_id = procs, cfg, pad_id
-        self.engine_quantization = None  # the driver's engine's, broadcast at start (the push quantizes for it)
-        self.smoothing = None  # and its SmoothQuant factors, as the driver's
+    def __init__(self, procs: Processes, *, serving: Serving, cfg, pad_id: int):
+        self.procs, self.serving, self.cfg, self.pad_id = procs, serving, cfg, pad_id  # serving: the driver's engine's
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         wire, metrics = self.procs.broadcast()
@@ -129,11 +115,7 @@ class FollowerSide:
 
     def push(self, model, model_config) -> None:
         self.procs.barrier("weight push")
-        join_weight_export(model, model_config, self.engine_quantization, smoothing=self.smoothing)
-
-    def probe(self, learner) -> dict:
-        follow_probe(learner, self.procs.broadcast)
-        return {}
+        join_weight_export(model, model_config, self.serving.quantization, smoothing=self.serving.smoothing)
 
     def heldout(self) -> dict:
         return {}

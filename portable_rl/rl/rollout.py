@@ -8,7 +8,7 @@ groups, until `prompt_batch_size` groups are kept. The data and the sampling see
 Non-finite engine logprobs (NaN / ±inf: a broken kernel, an overflowing FP8 scale) are counted over every
 token generated this step, `rollout/nonfinite_logprobs` and `rollout/nonfinite_fraction`; packing drops
 those tokens from the loss (`batching.pack_rollouts`). `check_nonfinite_fraction` stops the run when their
-fraction passes `DapoConfig.max_nonfinite_fraction`.
+fraction passes `rl.SafetyConfig.max_nonfinite_fraction`.
 """
 
 from __future__ import annotations
@@ -86,4 +86,4 @@ def check_nonfinite_fraction(stats: dict, max_fraction: float) -> None:
         raise NonFiniteLogprobsError(
             f"the engine returned {stats['rollout/nonfinite_logprobs']} non-finite logprobs ({100 * fraction:.2f}% "
             f"of the step's response tokens) > max_nonfinite_fraction={max_fraction}: check the engine's "
-            f"dtype / quantization (try --gin.QUANTIZATION=None) or raise rl.DapoConfig.max_nonfinite_fraction")
+            f"dtype / quantization (try --gin.QUANTIZATION=None) or raise rl.SafetyConfig.max_nonfinite_fraction")

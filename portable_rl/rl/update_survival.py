@@ -125,8 +125,8 @@ class UpdateSurvival:
 
     def __init__(self, model_config, quantization: str | None = None, *, channel_stride: int = 16):
         if channel_stride < 1:
-            raise ValueError(f"channel_stride must be >= 1, got {channel_stride}; disable the tracker with "
-                             "train.update_survival_stride=0")
+            raise ValueError(f"update_survival_stride={channel_stride} must be >= 1; disable the tracker with "
+                             "rl.DiagnosticsConfig.disabled = ['update_survival']")
         self.paths = projection_paths(model_config)
         self.stride = channel_stride
         self._previous = self._first = None

@@ -1,7 +1,6 @@
 """Multi-digit arithmetic, generated deterministically from a seed.
 
-Prompt "37+48=", answer "85". Difficulty knob: `num_digits` (operands are uniform in
-[0, 10**num_digits)). The held-out set is drawn first from its own stream and its (a, op, b)
+Prompt "37+48=", answer "85". The held-out set is drawn first from its own stream and its (a, op, b)
 triples are excluded from training draws, so held-out accuracy measures generalisation.
 Training batch for (step, draw) comes from `np.random.default_rng([seed, step, draw])`.
 """
@@ -23,6 +22,18 @@ _EVAL_STREAM = 2**31 - 1  # rng stream id for the held-out set (train streams us
 
 @dataclasses.dataclass
 class ArithmeticTask(GeneratedTask):
+    """"a<op>b=" → the exact result, operands uniform in [0, 10**num_digits).
+
+    Attributes:
+      num_digits: the difficulty: each operand has at most this many digits (>= 1).
+      ops: the operators drawn from, uniformly per problem: a non-empty subset of "+-*" ("-" may give
+        negative answers).
+      seed: the seed of the held-out set and of every training batch.
+      num_eval: held-out problems (at most a quarter of the distinct problems); training never draws them.
+      reward: the registered reward that scores a response (`tasks.rewards`: "exact_match", "math_verify",
+        "final_number").
+      name: the task's name in evaluation reports (and their default file name).
+    """
     num_digits: int = 2
     ops: str = "+"
     seed: int = 0

@@ -145,12 +145,30 @@ def read_examples(path: str | Path, *, prompt_key: str = "prompt",
 
 @dataclasses.dataclass
 class MathDatasetTask:
+    """Prompts and ground-truth answers read from a .jsonl or .parquet file (module doc: layout, bad rows).
+
+    Attributes:
+      train_path: the training file (.jsonl or .parquet); batches are drawn from its usable rows.
+      eval_path: the held-out file, its first num_eval usable rows; None: hold out the last num_eval rows of
+        train_path (then not trained on).
+      prompt_key: the prompt's column, a dotted path into nested objects; the value is text or chat messages
+        (the last user turn is used).
+      answer_key: the ground truth's column, a dotted path into nested objects.
+      num_eval: held-out examples.
+      prompt_template: a str.format template wrapping each prompt as {prompt} (double any other brace), e.g.
+        "{prompt}\\nPut the final answer in \\\\boxed{{}}." (as written in a gin file).
+      seed: the seed of the training batches (rows drawn without replacement within a batch, unless the
+        batch is larger than the file).
+      reward: the registered reward that scores a response (`tasks.rewards`: "math_verify", "exact_match",
+        "final_number").
+      name: the task's name in evaluation reports (and their default file name).
+    """
     train_path: str
-    eval_path: str | None = None   # None: hold out the last `num_eval` training rows
+    eval_path: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
     num_eval: int = 200
-    prompt_template: str = "{prompt}"  # e.g. "{prompt}\nPut the final answer in \\boxed{{}}."
+    prompt_template: str = "{prompt}"
     seed: int = 0
     reward: str = "math_verify"
     name: str = "math_dataset"

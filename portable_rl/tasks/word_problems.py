@@ -93,11 +93,26 @@ _SCENES = (
 
 @dataclasses.dataclass
 class WordProblemsTask(GeneratedTask):
-    min_ops: int = 2                 # changes per problem, drawn uniformly in [min_ops, max_ops]
+    """Multi-step word problems with a non-negative integer answer (module doc: the generator, the reward).
+
+    Attributes:
+      min_ops: the fewest changes per problem; the count is uniform in [min_ops, max_ops] (1 <= min_ops).
+      max_ops: the most changes per problem (>= min_ops).
+      max_start: the starting quantity q_0 is uniform in [5, max_start] (>= 5).
+      max_amount: a single change k is uniform in [1, max_amount] (>= 1).
+      grouped: also draw "k groups of m" changes (k in [2, 5], m in [2, 9]: a product inside a step).
+      instruction: text appended on a new line after the question (how to reason and mark the answer).
+      seed: the seed of the held-out set and of every training batch.
+      num_eval: held-out problems (>= 0); training never draws their prompts.
+      reward: the registered reward that scores a response (`tasks.rewards`; "final_number": the number
+        after the last "####").
+      name: the task's name in evaluation reports (and their default file name).
+    """
+    min_ops: int = 2
     max_ops: int = 3
-    max_start: int = 30              # q_0 ∈ [5, max_start]
-    max_amount: int = 12             # each single change k ∈ [1, max_amount]
-    grouped: bool = False            # also "k groups of m" changes (a product inside a step)
+    max_start: int = 30
+    max_amount: int = 12
+    grouped: bool = False
     instruction: str = ("Think step by step, then write the final answer as a single number "
                         "after '####'.")
     seed: int = 0

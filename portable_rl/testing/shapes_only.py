@@ -1,7 +1,7 @@
 """Header-only HF checkpoints: config.json + a safetensors file whose header lists every tensor of a
 Qwen2 / Qwen3 / Llama model of any size and holds no data.
 
-What reads only headers (`engines.checkpoint.read_checkpoint_shapes`, `memory_plan`) sees a real 8B
+What reads only headers (`engines.checkpoint.read_checkpoint_shapes`, `rl.colocation`'s memory plan) sees a real 8B
 checkpoint's names and shapes in a few kilobytes; nothing can load its weights.
 
     per layer: q [heads·hd, H], k / v [kv·hd, H] (+ biases in qwen2), o [H, heads·hd], q/k norms [hd] (qwen3),

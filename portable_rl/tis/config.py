@@ -2,17 +2,8 @@
 
 Gin-free on purpose: entry points bind it (`RolloutCorrectionConfig.mode = "token"` or
 `from_preset.name = "icepop"`). Every field is a plain Python value, so the config is hashable and
-can be a static argument of `jax.jit`. See docs/tis.md for the formulas and the verl/SkyRL names.
-
-    mode            IS weight: "none" | "token" | "sequence" | "geometric"
-    clip            C, the truncation cap of the weight (None = untruncated IS)
-    self_normalize  divide weights by their mean over kept tokens (or kept sequences)
-    token_mask_*    IcePop token mask: keep lo ≤ ρ_t ≤ hi
-    geo_mask_*      sequence mask on exp(mean_t log ρ_t)
-    product_mask_*  sequence mask on exp(Σ_t log ρ_t)
-    veto_*          drop a sequence if any token's ρ_t leaves [lo, hi]
-    divergence      "<token|seq_sum|seq_mean|seq_max>_<k1|k2|k3>" with divergence_low / _high
-A mask is active when at least one of its bounds is set; `None` means no bound on that side.
+can be a static argument of `jax.jit`. The fields are listed in the class's `Attributes:`; docs/tis.md
+has the formulas and the verl/SkyRL names.
 """
 
 from __future__ import annotations
@@ -43,6 +34,33 @@ _ALIASES = {"off": "none", "tis": "token_tis"}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutCorrectionConfig:
+    """The rollout correction: an importance-sampling weight and rejection masks on ρ_t = π_train / π_rollout.
+
+    A mask is active when at least one of its bounds is set; None means no bound on that side. Bounds are
+    inclusive, and the ratio bounds (token_mask, geo_mask, product_mask, veto) must be >= 0.
+
+    Attributes:
+      mode: the IS weight: "none" (weight 1), "token" (min(ρ_t, C)), "sequence" (min(Π_t ρ_t, C) on every
+        token of the sequence) or "geometric" (min(exp(mean_t log ρ_t), C) on every token of the sequence).
+      clip: C, the truncation cap of the weight (> 0; unused with mode "none"); None: untruncated IS.
+      self_normalize: divide the weights by their mean over kept tokens (over kept sequences with modes
+        "sequence" and "geometric"), so their average is 1.
+      token_mask_low: IcePop token mask: drop tokens with ρ_t below this; None: no lower bound.
+      token_mask_high: IcePop token mask: drop tokens with ρ_t above this; None: no upper bound.
+      geo_mask_low: drop whole sequences whose exp(mean_t log ρ_t) is below this; None: no lower bound.
+      geo_mask_high: drop whole sequences whose exp(mean_t log ρ_t) is above this; None: no upper bound.
+      product_mask_low: drop whole sequences whose Π_t ρ_t is below this; None: no lower bound.
+      product_mask_high: drop whole sequences whose Π_t ρ_t is above this; None: no upper bound.
+      veto_low: drop a whole sequence if any of its tokens has ρ_t below this; None: no lower bound.
+      veto_high: drop a whole sequence if any of its tokens has ρ_t above this; None: no upper bound.
+      divergence: a divergence mask "<token|seq_sum|seq_mean|seq_max>_<k1|k2|k3>" (k1 = −log ρ,
+        k2 = ½ (log ρ)², k3 = ρ − 1 − log ρ; "token" masks tokens, seq_* whole sequences), bounded by
+        divergence_low / divergence_high (at least one must be set); None: off.
+      divergence_low: drop where the divergence statistic is below this (in its own units); None: no lower
+        bound.
+      divergence_high: drop where the divergence statistic is above this (in its own units); None: no upper
+        bound.
+    """
     mode: str = "none"
     clip: Optional[float] = 2.0
     self_normalize: bool = False
@@ -108,5 +126,11 @@ class RolloutCorrectionConfig:
 
 
 def from_preset(name: str = "none", **overrides) -> RolloutCorrectionConfig:
-    """Function form of `RolloutCorrectionConfig.preset`, convenient to bind with gin."""
+    """Function form of `RolloutCorrectionConfig.preset`, convenient to bind with gin.
+
+    Args:
+      name: the preset: "none", "token_tis", "sequence_tis", "geometric_tis", "icepop", "seq_mis", "geo_rs",
+        "geo_rs_token_tis" or "k3_rs" (`PRESETS`; "off" and "tis" are aliases of "none" and "token_tis"); any
+        other keyword overrides that field of the preset.
+    """
     return RolloutCorrectionConfig.preset(name, **overrides)

@@ -1,8 +1,8 @@
 """Engine vs learner on a training checkpoint: which precision makes the mismatch (docs/training.md, SmolLM2).
 
-    python benchmarks/served_vs_learner.py --checkpoints RUN/checkpoints --step 14
+    python -m experiments.served_vs_learner --checkpoints RUN/checkpoints --step 14
         [--model checkpoints/smollm2-135m-instruct] [--prompts 32 --max-tokens 96 --temperature 0.6]
-    python benchmarks/served_vs_learner.py --checkpoints RUN/checkpoints --survival-steps 5,10,15
+    python -m experiments.served_vs_learner --checkpoints RUN/checkpoints --survival-steps 5,10,15
 
 Mismatch. Restores the step's learner weights (fp32 masters) and samples --prompts chat-templated
 arithmetic questions from vLLM engines serving them, then scores the same tokens with the learner:
@@ -46,27 +46,21 @@ def _learner(model_dir, checkpoints, step, compute_dtype):
     return model, config
 
 
-class _ModelScorer:
-    """A bare model in the shape `rl.sync.learner_reference_fn` scores with (the post-sync probe's reference)."""
-
-    def __init__(self, model, temperature):
-        self.model, self.temperature = model, temperature
-
-    def logprobs(self, input_ids, attention_mask):
-        import jax.numpy as jnp
-        import numpy as np
-
-        from portable_rl.learner_jax.logprobs import sequence_logprobs
-
-        return np.asarray(sequence_logprobs(self.model, jnp.asarray(input_ids), jnp.asarray(attention_mask),
-                                            self.temperature)[0])
-
-
 def _score(model, rollouts, temperature, pad_id):
-    from portable_rl.rl.sync import learner_reference_fn
+    """The rollouts' per-token response logprobs under `model`, laid out and sliced as the post-sync probe's
+    reference is (rl/sync.py's `run_probe`)."""
+    import jax.numpy as jnp
+    import numpy as np
 
-    reference = learner_reference_fn(_ModelScorer(model, temperature), pad_id)
-    return reference([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts])
+    from portable_rl.learner_jax.logprobs import sequence_logprobs
+    from portable_rl.rl.mismatch_split import response_slices
+    from portable_rl.rl.diagnostics import probe_rows
+
+    arrays, spans = probe_rows([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
+                               pad_id)
+    logp = sequence_logprobs(model, jnp.asarray(arrays["input_ids"]), jnp.asarray(arrays["attention_mask"]),
+                             temperature)[0]
+    return response_slices(np.asarray(logp), spans)
 
 
 def mismatch(args) -> dict:

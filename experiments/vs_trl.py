@@ -1,6 +1,6 @@
 """Ours vs Hugging Face TRL's `GRPOTrainer` on the same RL setting: wall time per RL step and held-out accuracy.
 
-    nice -n 19 python benchmarks/vs_trl.py --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
+    nice -n 19 python -m experiments.vs_trl --steps 10 --eval_size 128 [--ours_rollouts fp8] [--skip_ours | --skip_trl]
         [--reuse_ours] [--reuse_trl]   # a finished (or, for TRL, cut) run in OUT_DIR is read, not rerun
 
 One RL step = one generation batch (P prompts x G samples) + the policy updates made from it. Both systems
@@ -20,12 +20,12 @@ runs at its best setting on this CPU (best vs best):
     than unquantized; it is there for the TIS experiment, not for speed);
   - learner (`--ours_learner`): `fp32` (float32 math on bf16 params, which are the weights the engine
     serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math); `auto`
-    (default) = `recipe` where the CPU has bf16 dot products (an AMX Xeon: one SmolLM2-sized update 21.5 s
-    bf16 vs 34.7 s fp32), else `fp32` (a Zen 3 EPYC has none: bf16 is widened in software);
-    `--ours_remat none` drops the recipe's recompute (`train.remat = 'none'`, same 1024-token micro-batches:
+    (default) = `recipe` where the CPU has bf16 dot products (there bf16 is the faster learner math,
+    docs/benchmarks.md), else `fp32` (without them bf16 is widened in software);
+    `--ours_remat none` drops the recipe's recompute (`learner.MemoryConfig.remat = 'none'`, same 1024-token micro-batches:
     the recipe recomputes activations for a box shared with other jobs; alone, the memory is there);
     `--ours_gin NAME=VALUE` (repeatable) adds any other binding of portable_rl.train (e.g.
-    `train.attention_impl='blockwise'`), named in the results.
+    `learner.MemoryConfig.attention_impl='blockwise'`), named in the results.
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
@@ -35,9 +35,8 @@ runs at its best setting on this CPU (best vs best):
   torch autocast for the forward passes, generation included, float32 masters and AdamW), `fp32` elsewhere
   (`bf16=False`: without those instructions torch widens every bf16 GEMM in software, several times slower).
   `bf16` = the model itself in bf16 (`dtype=torch.bfloat16`, `bf16=True`; AdamW updates bf16 weights, which
-  round lr-5e-5 steps away: faster, not better). Measured on a Zen 5 EPYC with avx512_bf16 (fwd+bwd of
-  8 x 240 tokens / generate 8 x 32): fp32 47.4 / 80.6 s, bf16 autocast 34.3 / 54.3 s, pure bf16 28.9 / 56.2 s
-  (docs/benchmarks.md). Per-device batch `B` completions,
+  round lr-5e-5 steps away: faster, not better); the three timed: docs/experiments/vs_trl.md
+ . Per-device batch `B` completions,
   gradient accumulation so that one optimizer step sees the recipe's mini-batch (`mini_batch_size`
   groups), `steps_per_generation` so that one generation batch is the recipe's P x G: one RL step =
   P / mini_batch_size optimizer steps, as in ours. Step time: wall time between the callbacks that end
@@ -75,7 +74,7 @@ into the engine as during training) and TRL's saved weights (pushed the same way
 Output: one JSON line per system (`{"system": ...}`), then `{"summary": ...}` with
 `step_time_ratio_ours_over_trl` (< 1: ours is faster) on the mean of steps 2..N (step 1 includes JAX
 compilation and vLLM warm-up) and on all steps; also written to `OUT_DIR/results.jsonl`.
-Results: docs/benchmarks.md ("Ours vs TRL GRPOTrainer").
+Results: docs/experiments/vs_trl.md.
 """
 
 from __future__ import annotations
@@ -111,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours_remat", choices=("recipe", "none"), default="recipe",
                    help="recipe: its remat 'full'; none: no recompute (same micro-batches; a box to itself)")
     p.add_argument("--ours_gin", action="append", default=[], metavar="NAME=VALUE",
-                   help="an extra gin binding for ours only, e.g. train.attention_impl='blockwise' (repeatable)")
+                   help="an extra gin binding for ours only, e.g. learner.MemoryConfig.attention_impl='blockwise' (repeatable)")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -146,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ours_learner = "recipe" if has_fast_bf16() else "fp32"
     for binding in args.ours_gin:
         if "=" not in binding or binding.startswith(("-", "=")):
-            raise SystemExit(f"error: --ours_gin {binding!r} is not NAME=VALUE; e.g. --ours_gin \"train.remat='none'\"")
+            raise SystemExit(f"error: --ours_gin {binding!r} is not NAME=VALUE; e.g. --ours_gin \"learner.MemoryConfig.remat='none'\"")
     if args.skip_ours and args.skip_trl:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
     if args.skip_ours and args.reuse_ours:
@@ -160,13 +159,13 @@ def gin_bindings(args) -> list[str]:
     """The overrides both systems share, as `--gin.NAME=VALUE` flags of portable_rl.train."""
     flags = [f"--gin.TRAIN_STEPS={args.steps}", f"--gin.EVAL_SIZE={args.eval_size}", f"--gin.SEED={args.seed}"]
     if args.prompts_per_step is not None:
-        flags.append(f"--gin.rl.DapoConfig.prompt_batch_size={args.prompts_per_step}")
+        flags.append(f"--gin.rl.DataConfig.prompt_batch_size={args.prompts_per_step}")
     if args.n_samples is not None:
-        flags.append(f"--gin.rl.DapoConfig.n_samples={args.n_samples}")
+        flags.append(f"--gin.rl.GenerationConfig.n_samples={args.n_samples}")
     if args.max_tokens is not None:
         flags.append(f"--gin.MAX_RESPONSE_TOKENS={args.max_tokens}")
     if args.mini_batch_size is not None:
-        flags.append(f"--gin.rl.DapoConfig.mini_batch_size={args.mini_batch_size}")
+        flags.append(f"--gin.rl.LossConfig.mini_batch_size={args.mini_batch_size}")
     return flags
 
 
@@ -174,18 +173,18 @@ def ours_bindings(args) -> list[str]:
     """Ours' best setting on this CPU (module doc); only ours gets these."""
     flags = [] if args.ours_rollouts == "fp8" else ["--gin.QUANTIZATION=None"]
     if args.ours_learner == "fp32":
-        flags += ["--gin.train.param_dtype='bfloat16'", "--gin.train.compute_dtype='float32'"]
+        flags += ["--gin.rl.PrecisionConfig.param_dtype='bfloat16'", "--gin.rl.PrecisionConfig.compute_dtype='float32'"]
     if args.ours_remat == "none":
-        flags.append("--gin.train.remat='none'")
+        flags.append("--gin.learner.MemoryConfig.remat='none'")
     return flags + [f"--gin.{binding}" for binding in args.ours_gin]
 
 
 def load_setting(args) -> dict:
     """Parses the recipe + overrides (in this process) and reads the values both systems use."""
     from portable_rl import gin_utils
-    from portable_rl.train import train
+    from portable_rl.train import register_gin
 
-    gin_utils.register_configurable(train, name="train")  # what `portable_rl.train`'s CLI does
+    register_gin()  # what `portable_rl.train`'s CLI does
     argv = gin_utils.rewrite_gin_args(gin_bindings(args))
     gin_utils.parse_gin([RECIPE], [a[len("--gin_bindings="):] for a in argv])
     import gin
@@ -196,18 +195,19 @@ def load_setting(args) -> dict:
             value = value.scoped_configurable_fn()
         return value
 
-    cfg = q("train.algorithm")           # the configured DapoConfig
+    cfg = gin_utils.CONFIG_OBJECTS["algorithm"]()  # the configured DapoConfig
+    gen, loss = cfg.generation, cfg.loss
     setting = {
-        "model_path": str(REPO / q("train.model_path")), "task": q("train.task"),
-        "prompts_per_step": cfg.prompt_batch_size, "n_samples": cfg.n_samples, "mini_batch_size": cfg.mini_batch_size,
-        "max_tokens": cfg.max_response_tokens, "temperature": cfg.temperature, "overlong_buffer": cfg.overlong_buffer,
-        "clip_eps_low": cfg.clip_eps_low, "clip_eps_high": cfg.clip_eps_high,
+        "model_path": str(REPO / q("rl.RunConfig.model_path")), "task": q("train.task"),
+        "prompts_per_step": cfg.data.prompt_batch_size, "n_samples": gen.n_samples,
+        "mini_batch_size": loss.mini_batch_size, "max_tokens": gen.max_response_tokens, "temperature": gen.temperature,
+        "overlong_buffer": loss.overlong_buffer, "clip_eps_low": loss.clip_eps_low, "clip_eps_high": loss.clip_eps_high,
         "learning_rate": q("optim.make_optimizer.learning_rate"),
         "warmup_steps": q("optim.make_optimizer.warmup_steps"), "weight_decay": q("optim.make_optimizer.weight_decay"),
         "max_grad_norm": q("optim.make_optimizer.max_grad_norm"),
         "max_model_len": q("vllm/engines.create_engine.max_model_len"),
         "quantization": q("vllm/engines.create_engine.engine_init_kwargs").get("quantization"),
-        "chat_template": q("train.chat_template"),
+        "chat_template": q("rl.RunConfig.chat_template"),
     }
     if setting["prompts_per_step"] % setting["mini_batch_size"]:
         raise SystemExit(f"error: prompts_per_step={setting['prompts_per_step']} must be a multiple of "
@@ -247,7 +247,7 @@ def run_ours(args, out: Path, quantization) -> dict:
         if run_dir.exists():
             shutil.rmtree(run_dir)
         cmd = [sys.executable, "-m", "portable_rl.train", f"--gin_file={RECIPE}", *gin_bindings(args),
-               f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", "--gin.train.progress=False", *ours_bindings(args)]
+               f"--gin.RUN_DIR={run_dir}", "--gin.EVAL_EVERY=0", *ours_bindings(args)]
         wall = run_logged(cmd, out / "ours.log", "ours")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if 1 <= r["step"] <= args.steps]
@@ -272,7 +272,7 @@ def run_ours(args, out: Path, quantization) -> dict:
 
 def run_trl(argv: list[str], out: Path) -> dict:
     """Runs TRL in a child process (its colocated vLLM sets torch.distributed state and env vars)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_phase", "trl", *argv]
+    cmd = [sys.executable, "-m", "experiments.vs_trl", "--_phase", "trl", *argv]  # run_logged: cwd REPO
     wall = run_logged(cmd, out / "trl.log", "TRL")
     return {**json.loads((out / "trl" / "result.json").read_text()), "wall_s": wall,
             "weights_dir": str(out / "trl" / "final")}
