@@ -227,7 +227,7 @@ def measure(path: str, config, mesh, args) -> dict:
         config, mesh, model_kwargs=dict(attention_impl=memory.attention_impl, remat=memory.remat))
     fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
     batch = abstract_batch(mesh, rows, seq, fields)
-    loss_fn = make_loss_fn(rl_cfg(), 1.0, memory.logprob_chunk_tokens)
+    loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
     params, opt = tree_device_bytes(_params(model)), tree_device_bytes(_opt_state(optimizer))
     micro_batches = args.tokens_per_device // (rows * seq)
     if micro_batches == 1:

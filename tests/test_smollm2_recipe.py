@@ -37,7 +37,7 @@ def test_two_steps_of_the_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (model / "config.json").exists() and json.loads((model / "config.json").read_text())["model_type"] == "llama"
     config = (run / "config.gin").read_text()
-    assert "'fp8_per_channel'" in config and "rl.RunConfig.chat_template = True" in config
+    assert "'fp8_per_channel'" in config and "RunConfig.chat_template = True" in config
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[0]["accuracy/heldout"] <= 1.0
