@@ -50,7 +50,7 @@ import time
 
 PHASES = ("time/generate", "time/logprob", "time/train", "time/sync")
 SYNC_SHARE_TARGET = 0.05
-# Per-step diagnostics that must stay cheap (issue 16: each under 1 % of a step); absent in older runs.
+# Per-step diagnostics that must stay cheap (each under 1 % of a step); absent in older runs.
 DIAGNOSTICS = ("time/update_survival", "time/mismatch_split")
 DIAGNOSTIC_SHARE_TARGET = 0.01
 REPORTED = ("time/probe",)  # shares reported without a target

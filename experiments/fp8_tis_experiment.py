@@ -1,4 +1,4 @@
-"""What quantized rollouts do to learning, with and without TIS (issues 7 and 14; results in docs/experiments/quantized_rollouts.md).
+"""What quantized rollouts do to learning, with and without TIS (results: docs/experiments/quantized_rollouts.md).
 
     python -m experiments.fp8_tis_experiment --probe_mismatch                     # KL of each precision at the start
     python -m experiments.fp8_tis_experiment --steps 20 --seeds 0 1 2            # run (resumable) + aggregate
@@ -21,7 +21,7 @@ is built or copied once into <out>/warmstart. A "seed" k is `rl.RunConfig.seed =
 Runs go one after another (each one uses every core) into <out>/<arm>/seed<k>/; a finished run (its
 metrics.jsonl reaches --steps) is skipped, an interrupted one resumes from its checkpoint.
 
-`--setting smollm2` (issue 14) runs the same experiment on the real-model recipe instead
+`--setting smollm2` runs the same experiment on the real-model recipe instead
 (gin/recipes/smollm2_arith_fp8.gin: SmolLM2-135M-Instruct, word problems, answers of ~100 tokens at the
 start, EVAL_EVERY = 5 here), with its own arms:
 
@@ -688,7 +688,7 @@ def probe_mismatch(model_path: Path, schemes: list[str], prompts: int = 64, n: i
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", default="toy", choices=list(SETTINGS),
-                   help="toy: the default run (issue 7); smollm2: the real-model recipe (issue 14)")
+                   help="toy: the default run; smollm2: the real-model recipe")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", default=None, help="default: the setting's arms")

@@ -1,4 +1,4 @@
-"""How far each rollout precision and correction moves the policy gradient from the on-policy one (issue 38).
+"""How far each rollout precision and correction moves the policy gradient from the on-policy one.
 
     python -m experiments.gradient_fidelity --setting toy [--prompts 16] [--samples 64]
         [--arms fp32 bf16 fp8 int8 mxfp4 fp32x0.7] [--corrections none token_tis seq_mask icepop]
