@@ -96,7 +96,7 @@ def register_library() -> None:
         register_configurable(cls, module="tasks")
     register_configurable(registry.create_engine, name="create_engine", module="engines")
     register_configurable(tis.from_preset, name="from_preset", module="tis")
-    parts = {name: register_configurable(getattr(rl_config, cls), module="rl") for name, cls in DAPO_PARTS.items()}
+    parts = {name: register_configurable(cls, module="rl") for name, cls in dapo_parts().items()}
     CONFIG_OBJECTS.update(
         run=register_configurable(rl_config.RunConfig, module="rl"),
         algorithm=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
@@ -124,8 +124,14 @@ def register_train(train: Callable) -> Callable:
     return register_configurable(with_config_defaults(train, CONFIG_OBJECTS), name="train")
 
 
-DAPO_PARTS = {"generation": "GenerationConfig", "data": "DataConfig", "shapes": "ShapeConfig", "loss": "LossConfig",
-              "safety": "SafetyConfig"}
+def dapo_parts() -> dict[str, type]:
+    """`rl.DapoConfig`'s parts: field name → its config class (`rl.GenerationConfig`, ...)."""
+    import dataclasses
+
+    from portable_rl.rl.dapo import DapoConfig
+
+    return {f.name: f.default_factory for f in dataclasses.fields(DapoConfig)}
+
 
 # Bindings of the flat keywords that the config objects replaced → where they live now.
 MOVED = {
@@ -149,10 +155,8 @@ def moved_dapo_fields() -> dict[str, str]:
     """`rl.DapoConfig.<field>` → `rl.<Part>.<field>` for every field of DapoConfig's parts."""
     import dataclasses
 
-    from portable_rl.rl import config as rl_config
-
-    return {f"rl.DapoConfig.{f.name}": f"rl.{cls}.{f.name}" for cls in DAPO_PARTS.values()
-            for f in dataclasses.fields(getattr(rl_config, cls))}
+    return {f"rl.DapoConfig.{f.name}": f"rl.{cls.__name__}.{f.name}" for cls in dapo_parts().values()
+            for f in dataclasses.fields(cls)}
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from portable_rl.engines import probe as probe_lib
 from portable_rl.rl.batching import pack_rollouts
-from portable_rl.rl.config import DIAGNOSTICS, DiagnosticsConfig
+from portable_rl.rl.config import DiagnosticsConfig
 from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, response_slices
 from portable_rl.rl.multihost import Processes
 from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
