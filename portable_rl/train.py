@@ -69,7 +69,7 @@ class Run:
 
 def build_run(*, run: RunConfig, algorithm: DapoConfig, correction: RolloutCorrectionConfig,
               optimizer_factory: Optional[Callable], precision: PrecisionConfig, memory: MemoryConfig,
-              diagnostics: DiagnosticsConfig, mesh, budget, warmstart_fn: Optional[Callable]) -> Run:
+              diagnostics: DiagnosticsConfig, mesh, warmstart_fn: Optional[Callable]) -> Run:
     """Warm start, model, optimizer, learner, the update-survival reference and the checkpoint restore, in the
     order they depend on each other. Runs on every process, after the memory plan set XLA's allocator."""
     import jax.numpy as jnp
@@ -199,7 +199,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
     held_out = list(task.eval_examples())[:run.eval_size]
     reward_fn = get_reward(task.reward)
     state = build_run(run=run, algorithm=algorithm, correction=correction, optimizer_factory=optimizer_factory,
-                      precision=precision, memory=memory, diagnostics=diagnostics, mesh=mesh, budget=budget,
+                      precision=precision, memory=memory, diagnostics=diagnostics, mesh=mesh,
                       warmstart_fn=warmstart_fn)
     procs, codec, gen = state.procs, state.codec, algorithm.generation
     timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=run.async_rollouts)
