@@ -21,7 +21,7 @@ from portable_rl.testing.configs import dapo_config
 from test_micro_batches import ragged_batch
 from test_mismatch_split import CONFIG, PROMPTS, RESPONSES
 
-QUANTIZERS = ["fp8_per_channel", "int8_per_channel"]
+QUANTIZERS = ["fp8_per_channel", "int8_per_channel", "fake_mxfp4", "fake_nvfp4", "fake_fp8_e4m3_tensor"]
 
 
 def make_learner(model=None):
@@ -79,7 +79,7 @@ def test_master_is_the_default_and_unchanged():
     assert PrecisionConfig().learner_precision == "master" and not learner.serves_engine_weights
 
 
-@pytest.mark.parametrize("scheme", ["fake_mxfp4", "fp8", "w4a16"])
+@pytest.mark.parametrize("scheme", ["fake_int4", "fp8", "w4a16"])
 def test_unknown_scheme_is_a_one_line_error(scheme):
     learner = make_learner()
     with pytest.raises(ConfigError) as err:

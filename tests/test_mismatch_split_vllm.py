@@ -161,3 +161,33 @@ def test_vllm_int8_split_and_smoothquant(ckpt, learner, bf16_results, tmp_path):
     # rounding alone, not the smoothing's rescaling of every weight
     assert smoothed["mismatch/quantization"] < unmodelled["mismatch/quantization"]
     assert smoothed["mismatch/quantization_max_abs_diff"] < unmodelled["mismatch/quantization_max_abs_diff"]
+
+
+def test_engine_precision_learner_scores_what_a_fake_mxfp4_engine_serves(ckpt, learner):
+    """rl.PrecisionConfig.learner_precision = 'engine' against a real fp32 vLLM engine serving MXFP4-rounded
+    projections (the `fake_quant` engine): the learner's logprobs are the engine's to the fp32 kernel floor
+    (the same engine serving the plain bf16 push, scored by the learner's bf16 view), where the master
+    learner's are far off; mismatch/quantization is 0 by construction."""
+    from portable_rl.rl.sync import push_weights
+
+    def learner_serving(quantization):
+        other = Learner(learner.model, nnx.Optimizer(learner.model, optax.sgd(1e-3), wrt=nnx.Param), learner.cfg,
+                        tis.RolloutCorrectionConfig(mode="none"))
+        other.serve_weights_as(quantization)
+        return other
+
+    matched = learner_serving("fake_mxfp4")
+    with create_engine("fake_quant", model_path=ckpt, engine="vllm", scheme="mxfp4",
+                       engine_kwargs=dict(engine_init_kwargs=dict(dtype="float32", quantization=None))) as engine:
+        assert engine.quantization == "fake_mxfp4"
+        push_weights(engine, learner.model, learner.model.config)             # the masters, MXFP4-rounded
+        master = probe_and_split(engine, learner)
+        engine_view = probe_and_split(engine, matched)
+        push_weights(engine.inner, learner.model, learner.model.config)       # the plain bf16 push
+        floor = ProbeDiagnostic(engine=engine.inner, learner=learner_serving(None), prompts=PROMPTS,
+                                **PROBE).after_push()
+    print(f"fake mxfp4 engine, master learner: {master}\n  engine-precision learner: {engine_view}\n"
+          f"  fp32 floor (bf16 push, bf16 view): {floor}")
+    assert engine_view["mismatch/quantization"] == 0.0 and master["mismatch/quantization"] > 0
+    assert engine_view["probe/max_abs_diff"] < 3 * floor["probe/max_abs_diff"] + 1e-5
+    assert master["probe/kl"] > 100 * max(engine_view["probe/kl"], 1e-9)

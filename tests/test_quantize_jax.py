@@ -84,3 +84,38 @@ def test_export_refuses_nan_before_yielding_it(tmp_path):
         for name, _ in iter_hf_tensors(model, config, quantization="int8_per_channel"):
             names.append(name)
     assert bad.hf_name not in names
+
+
+def _fake_quant_weights(seed: int, shape=(128, 48)) -> np.ndarray:
+    """bf16-grid kernels [in, out] whose groups span many magnitudes, with e2m1 ties and saturation in them."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32) * np.logspace(-6, 2, shape[0], dtype=np.float32)[:, None]
+    w[:32, 0] = 0.0                                             # an all-zero MXFP4 group and NVFP4 blocks
+    w[:32, 1] = [4.0] + [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 4 + [-0.25, -2.5, -5.0]  # ties at scale 1
+    w[32:64, 2] = np.ldexp(1.0, np.arange(-16, 16))              # powers of two: scale exponents exact
+    return np.array(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4", "fp8_e4m3_tensor"])
+def test_jax_fake_quantizers_equal_the_fake_quant_engines_bit_for_bit(scheme, seed):
+    """The learner's view of the `fake_quant` engine (SERVED_WEIGHTS['fake_<scheme>']) is exactly what the engine
+    serves for the bf16 push: engines.quantize.fake_quantize on torch's [out, in] layout."""
+    from portable_rl.engines.quantize import fake_quantize
+    from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
+
+    w = _fake_quant_weights(seed)
+    served = np.asarray(jax.jit(SERVED_WEIGHTS[f"fake_{scheme}"])(jnp.asarray(w)))
+    engine = fake_quantize(torch.from_numpy(w.T.copy()).to(torch.bfloat16), scheme).float().numpy().T
+    np.testing.assert_array_equal(served, engine)
+    assert len(np.unique(served)) > 50                          # not a degenerate grid
+    stacked = np.asarray(jax.jit(SERVED_WEIGHTS[f"fake_{scheme}"])(jnp.stack([jnp.asarray(w), 3 * jnp.asarray(w)])))
+    np.testing.assert_array_equal(stacked[0], served)            # a stack quantizes each matrix alone
+
+
+def test_e2m1_rounds_to_nearest_ties_to_even():
+    from portable_rl.learner_jax.quantize import round_to_e2m1
+
+    x = jnp.asarray([0.24, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 7.0, -0.75, -5.0, 0.0])
+    assert np.asarray(round_to_e2m1(x)).tolist() == [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0,
+                                                     -1.0, -4.0, 0.0]

@@ -61,7 +61,9 @@ from portable_rl.engines.quantize import is_quantized_projection
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS, served_bf16
 from portable_rl.learner_jax.optim import MasterWeightsState
 
-TRACKED_SCHEMES = tuple(SERVED_WEIGHTS)
+# the quantizers whose served column depends on that column alone: the tracker sees every stride-th channel,
+# which would change a per-tensor scale (fake nvfp4, fake fp8_e4m3_tensor)
+TRACKED_SCHEMES = (None, "fp8_per_channel", "int8_per_channel", "fake_mxfp4")
 
 
 def learner_weights(model, optimizer=None):
