@@ -83,7 +83,8 @@ class PrecisionConfig:
         prompts and applied to every push (0.5 is SmoothQuant's default); None: off.
       learner_precision: 'master': the learner's forwards (old logprobs, PPO ratio, loss) use its own weights;
         'engine': the weights the engine serves (its weight quantizer on the projections, straight-through
-        gradients to the masters; rl/served_view.py), for fp8_per_channel, int8_per_channel or unquantized engines.
+        gradients to the masters; rl/served_view.py), for fp8_per_channel, int8_per_channel, unquantized and
+        fake-quant (fake_mxfp4, fake_nvfp4, fake_fp8_e4m3_tensor) engines; weights only (not W8A8's activations).
     """
     param_dtype: str = "float32"
     master_dtype: Optional[str] = "float32"
