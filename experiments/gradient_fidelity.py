@@ -32,6 +32,9 @@ group at a time:
     cos    = <g, g_ref> / (‖g‖ ‖g_ref‖)            rel_l2 = ‖g − g_ref‖ / ‖g_ref‖      (full gradients, all D dims)
     Δcos   = cos(g^{e,c}) − cos(g_floor)           below 0: further from on-policy than sampling noise puts it
     Δcos vs none = cos(g^{e,c}) − cos(g^{e,none})  what the correction moved
+    cos to floor = cos(g^{e,c}, g_floor)           on the sketches: the arm against the estimate drawn with the
+                                                   same random numbers (common random numbers, below); 1 where
+                                                   the engine and correction change nothing
     excess = rel_l2(g^{e,c})² − rel_l2(g_floor)²   ≈ ‖E g^{e,c} − E g_ref‖² / ‖g_ref‖², the squared bias, since
              E‖g − g_ref‖² = ‖bias‖² + tr Cov(g) + tr Cov(g_ref) and the covariance terms of arm and floor match
 
@@ -308,16 +311,17 @@ def bootstrap_intervals(sketches: dict, reference, floor, resamples: int, seed: 
         with np.errstate(invalid="ignore", divide="ignore"):
             return (weights @ np.asarray(u, np.float64)) / (weights @ np.asarray(n, np.float64))[:, None]
 
-    ref = resampled(reference)
+    ref, floor_draw = resampled(reference), resampled(floor)
     measured = {key: _rowwise(resampled(key), ref) for key in sketches}   # key → (cos [1 + B], rel [1 + B])
     floor_cos, floor_rel = measured[floor]
     tail = 100 * (1 - level) / 2
     out = {}
     for key, (cos, rel) in measured.items():
-        stats = {"cos": cos, "rel_l2": rel, "dcos": cos - floor_cos, "excess": rel ** 2 - floor_rel ** 2}
+        stats = {"cos": cos, "rel_l2": rel, "dcos": cos - floor_cos, "excess": rel ** 2 - floor_rel ** 2,
+                 "cos_floor": _rowwise(resampled(key), floor_draw)[0]}
         if (key[0], "none") in measured:
             stats["dcos_none"] = cos - measured[key[0], "none"][0]
-        row = {"cos_sketch": float(cos[0]), "rel_l2_sketch": float(rel[0])}
+        row = {"cos_sketch": float(cos[0]), "rel_l2_sketch": float(rel[0]), "cos_floor": float(stats["cos_floor"][0])}
         for name, values in stats.items():
             boot = values[1:]
             boot = boot[np.isfinite(boot)]
@@ -583,8 +587,20 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
             "bootstrap": bootstrap, "bootstrap_seed": bootstrap_seed, "temperature": setting.temperature,
             "max_tokens": setting.max_tokens, "compute_dtype": setting.compute_dtype,
             "floor": {"cos": floor["cos"], "rel_l2": floor["rel_l2"], "cos_ci": intervals[FLOOR]["cos_ci"],
-                      "rel_l2_ci": intervals[FLOOR]["rel_l2_ci"]},
+                      "rel_l2_ci": intervals[FLOOR]["rel_l2_ci"],
+                      "samples_per_prompt_for_cos": samples_for_cos(floor["cos"], samples)},
             "draws": draw_stats, "rows": ordered}
+
+
+def samples_for_cos(floor_cos: float, samples: int, targets=(0.5, 0.9, 0.99)) -> dict:
+    """Samples per prompt at which two on-policy estimates would agree to cos c*, from the floor measured
+    with `samples`: each estimate is the mean gradient μ plus noise of covariance Σ / N, so
+    E cos ≈ r / (1 + r) with r = N ‖μ‖² / tr Σ; r = c / (1 − c) at the measured c, and N* = N · (c* / (1 − c*)) / r.
+    {} when the floor is not in (0, 1) (no signal to extrapolate)."""
+    if not 0.0 < floor_cos < 1.0:
+        return {}
+    r = floor_cos / (1.0 - floor_cos)
+    return {str(c): math.ceil(samples * (c / (1.0 - c)) / r) for c in targets}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -595,15 +611,16 @@ def _ci(row, name, fmt="{:.3f}"):
 
 def markdown(results: dict) -> str:
     lines = ["| arm | correction | cos to ref [95% CI] | rel L2 [95% CI] | Δcos vs floor [95% CI] | excess rel L2² "
-             "[95% CI] | Δcos vs none [95% CI] | ‖g‖/‖g_ref‖ | tis/kl | tis/k3_kl | ESS | clipped | masked tok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "[95% CI] | Δcos vs none [95% CI] | cos to floor (sketch) [95% CI] | ‖g‖/‖g_ref‖ | tis/kl | tis/k3_kl "
+             "| ESS | clipped | masked tok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         floor = (row["arm"], row["correction"]) == FLOOR
         lines.append("| " + " | ".join([
             row["arm"] + (" (floor)" if floor else ""), row["correction"], _ci(row, "cos"), _ci(row, "rel_l2"),
             "—" if floor else _ci(row, "dcos", "{:+.3f}"), "—" if floor else _ci(row, "excess", "{:+.3f}"),
             "—" if row["correction"] == "none" else _ci(row, "dcos_none", "{:+.3f}"),
-            f"{row['norm_ratio']:.3f}", f"{row['tis/kl']:+.4f}", f"{row['tis/k3_kl']:.4f}",
+            "—" if floor else _ci(row, "cos_floor"), f"{row['norm_ratio']:.3f}", f"{row['tis/kl']:+.4f}", f"{row['tis/k3_kl']:.4f}",
             f"{row['tis/weight_ess']:.3f}", f"{row['tis/clipped_frac']:.3f}", f"{row['tis/token_masked_frac']:.3f}",
         ]) + " |")
     return "\n".join(lines)

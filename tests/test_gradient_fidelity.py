@@ -68,6 +68,29 @@ def test_paired_bootstrap_flags_a_biased_estimate_and_not_an_unbiased_one():
         gf.compare(sketches["biased", "none"][0].mean(0), ref)["cos"], rel=1e-9)
 
 
+def test_cos_to_the_floor_sees_what_common_random_numbers_share():
+    out = gf.bootstrap_intervals(_synthetic(), gf.REFERENCE, gf.FLOOR, resamples=200, seed=0)
+    assert out[gf.FLOOR]["cos_floor"] == pytest.approx(1.0)
+    cos = {key: row["cos_floor"] for key, row in out.items()}
+    assert cos["unbiased", "none"] > cos["biased", "fix"] > cos["biased", "none"] + 0.1
+    assert out["biased", "none"]["cos_floor_ci"][1] < out["unbiased", "none"]["cos_floor_ci"][0]
+
+
+def test_samples_for_cos_extrapolates_the_floor():
+    """Two independent means of N noisy draws around μ: the N* it predicts from the cos at N gives ~c*."""
+    rng = np.random.default_rng(0)
+    mu = 0.3 * rng.standard_normal(4000)
+
+    def floor_cos(n):
+        g1, g2 = (mu + rng.standard_normal((n, mu.size)).mean(0) for _ in range(2))
+        return float(g1 @ g2 / np.linalg.norm(g1) / np.linalg.norm(g2))
+
+    needed = gf.samples_for_cos(floor_cos(8), 8)
+    assert set(needed) == {"0.5", "0.9", "0.99"} and needed["0.5"] < needed["0.9"] < needed["0.99"]
+    assert floor_cos(needed["0.9"]) == pytest.approx(0.9, abs=0.04)
+    assert gf.samples_for_cos(-0.01, 8) == {} and gf.samples_for_cos(1.0, 8) == {}
+
+
 def test_group_weight_is_the_aggregations_normaliser():
     mask = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], np.float32)
     assert gf.group_weight("token-mean", mask) == 4
