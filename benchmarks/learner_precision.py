@@ -21,6 +21,7 @@ answers of ~`--response-tokens` tokens.
 
     python -m benchmarks.learner_precision [--model checkpoints/smollm2-135m-instruct] [--groups 4]
                                            [--samples 4] [--response-tokens 70] [--reps 2] [--json]
+                                           [--arms master fp8_per_channel int8_per_channel fake_mxfp4]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main():
     parser.add_argument("--response-tokens", type=int, default=70)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="'master' is always measured")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import jax.numpy as jnp
@@ -77,7 +79,7 @@ def main():
                           max_tokens_per_micro_batch=1024, logprob_chunk_tokens=512, remat="full")
     model, _ = load_hf_model(args.model, param_dtype=jnp.float32, compute_dtype=jnp.dtype(args.compute_dtype),
                              attention_impl=memory.attention_impl, remat=memory.remat)
-    arms = {name: make_learner(model, cfg, memory, name) for name in ARMS}
+    arms = {name: make_learner(model, cfg, memory, name) for name in dict.fromkeys(["master", *args.arms])}
     prepared = {name: learner.prepare(batch) for name, learner in arms.items()}
 
     compiled = {name: grad_step_compiled(learner, prepared[name]) for name, learner in arms.items()}
