@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -500,16 +501,24 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     cfg = dapo_config(n_samples=samples, temperature=setting.temperature, max_response_tokens=setting.max_tokens,
                       prompt_batch_size=1, mini_batch_size=1, dynamic_sampling=False, loss_aggregation=aggregation,
                       old_logprobs_from_update=False, **setting.loss)
-    memory = MemoryConfig(**setting.memory)
-    model, _ = load_hf_model(checkpoint, param_dtype=jnp.float32, compute_dtype=jnp.dtype(setting.compute_dtype),
-                             **memory.model_kwargs())
-    optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)  # required by Learner, never stepped
     configs = {c: correction_config(c) for c in corrections}
-    learners = {c: Learner(model, optimizer, cfg, configs[c], memory=memory) for c in corrections}
-    dim = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    sketch, k = make_sketch(dim, sketch_dim, sketch_seed)
-    log(f"[gradfid] {checkpoint}: {dim:,} parameters, sketch {k} dims; {prompts} prompts x {samples} samples; "
-        f"arms {' '.join(arms)}; corrections {' '.join(corrections)}; cache {cache.root}")
+
+    @functools.cache
+    def learner_side():
+        """(learners per correction, sketch, k, D), built only when an estimate is missing from the cache (the
+        model's load and compilations): aggregating a finished measurement needs none of it."""
+        memory = MemoryConfig(**setting.memory)
+        model, _ = load_hf_model(checkpoint, param_dtype=jnp.float32, compute_dtype=jnp.dtype(setting.compute_dtype),
+                                 **memory.model_kwargs())
+        optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)  # required by Learner, never stepped
+        learners = {c: Learner(model, optimizer, cfg, configs[c], memory=memory) for c in corrections}
+        dim = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        sketch, k = make_sketch(dim, sketch_dim, sketch_seed)
+        log(f"[gradfid] {checkpoint}: {dim:,} parameters, sketch {k} dims")
+        return learners, sketch, k, dim
+
+    log(f"[gradfid] {prompts} prompts x {samples} samples; arms {' '.join(arms)}; corrections "
+        f"{' '.join(corrections)}; cache {cache.root}")
 
     def wanted(arm):
         return ["none"] if arm == "ref" or (arm == FLOOR[0] and not floor_corrections) else corrections
@@ -559,6 +568,7 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
                 if ref_full is None and arm != "ref":
                     ref_full = cache.reference_gradient()
                 t0 = time.perf_counter()
+                learners, sketch, _, _ = learner_side()
                 full, per_prompt, n, tis_metrics, loss = estimate(learners[correction], cfg, drawn[arm],
                                                                   codec.pad_id, sketch, configs[correction])
                 if arm == "ref":
@@ -582,6 +592,8 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
         row["excess"] = row["rel_l2"] ** 2 - floor["rel_l2"] ** 2
         row["dcos_none"] = row["cos"] - rows[key[0], "none"]["cos"]
         ordered.append(row)
+    dim = int(np.load(cache.root / "reference_gradient.npy", mmap_mode="r").shape[0])
+    k = next(iter(sketches.values()))[0].shape[1]
     return {"checkpoint": checkpoint, "parameters": dim, "sketch_dim": k, "sketch_seed": sketch_seed,
             "prompts": prompts, "samples": samples, "seeds": list(seeds), "aggregation": aggregation,
             "bootstrap": bootstrap, "bootstrap_seed": bootstrap_seed, "temperature": setting.temperature,

@@ -1,4 +1,4 @@
-"""experiments/fp8_tis_experiment.py, the SmolLM2 setting (issue 14): every arm is the recipe with only the rollout
+"""experiments/fp8_tis_experiment.py, the SmolLM2 setting: every arm is the recipe with only the rollout
 precision and the correction changed, every seed sees the same problems, and the aggregation reads what the runs
 wrote. The runs themselves (an hour each here) are in docs/experiments/quantized_rollouts.md."""
 

@@ -1,4 +1,4 @@
-"""experiments/gradient_fidelity.py (issue 38): the policy gradient each rollout engine's samples give, against the
+"""experiments/gradient_fidelity.py: the policy gradient each rollout engine's samples give, against the
 on-policy one and the floor two on-policy estimates set.
 
 Not slow: the math on synthetic gradients (the count sketch, the paired bootstrap), per-prompt learner gradients
