@@ -22,7 +22,7 @@ All rates are bytes of the bf16 HF tensors (the payload an engine receives) per 
   int8 push     int8 convert + `update_weights` into an INT8 W8A8 engine (reload of int8 + scales)
   int8 bf16     the bf16 push into the same INT8 engine, which quantizes in torch (what every anchor does)
 
-Targets (issue #3): convert ≥ 0.8× memcpy, push ≥ 3× disk.
+Targets: convert ≥ 0.8× memcpy, push ≥ 3× disk.
 
     python -m benchmarks.weight_sync [--layers 24 --hidden 1024 --intermediate 4096 --vocab 32000 --repeats 3]
     python -m benchmarks.weight_sync --param-dtype bfloat16 --sglang-only   # memcpy, convert, sglang rows
