@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 ARMS = ("master", "fp8_per_channel", "int8_per_channel", "fake_mxfp4")
 
@@ -58,19 +56,14 @@ def grad_step_compiled(learner, prepared):
 
 
 def main():
+    from benchmarks.shared_prompts import add_batch_args, alternated_step_seconds, build
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--response-tokens", type=int, default=70)
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add_batch_args(parser, groups=4, samples=4)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="'master' is always measured")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     import jax.numpy as jnp
 
-    from benchmarks.shared_prompts import build
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.learner_jax.memory import MemoryConfig
 
@@ -91,13 +84,7 @@ def main():
                                      - ma.alias_size_in_bytes + ma.temp_size_in_bytes) / 2**20}
 
     first = {name: learner.update(prepared[name]) for name, learner in arms.items()}  # warm-up (compile)
-    times = {name: [] for name in arms}
-    for _ in range(args.reps):
-        for name, learner in arms.items():
-            start = time.perf_counter()
-            learner.update(learner.prepare(batch))
-            times[name].append(time.perf_counter() - start)
-    seconds = {name: statistics.median(t) if t else float("nan") for name, t in times.items()}
+    seconds, times = alternated_step_seconds(arms, batch, args.reps)
     result = {
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                      if line.startswith("model name")), "?"),

@@ -79,16 +79,33 @@ def learner(args, cfg, share: bool):
                    tis.RolloutCorrectionConfig(mode="token", clip=2.0), memory=memory)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def alternated_step_seconds(learners: dict, batch: dict, reps: int) -> tuple[dict, dict]:
+    """`prepare` + `update` of each learner on `batch`, the learners alternated `reps` times (load on a shared
+    box hits them alike; compile first) → (median seconds per learner, all seconds; NaN medians for reps=0)."""
+    times = {name: [] for name in learners}
+    for _ in range(reps):
+        for name, learner in learners.items():
+            start = time.perf_counter()
+            learner.update(learner.prepare(batch))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) if t else float("nan") for name, t in times.items()}, times
+
+
+def add_batch_args(parser: argparse.ArgumentParser, *, groups: int, samples: int) -> None:
+    """The model, the batch `build` makes (`--groups` prompts × `--samples` answers of ~`--response-tokens`), the
+    timing repetitions and the learner's compute dtype: the options of every benchmark timing this learner."""
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=groups)
+    parser.add_argument("--samples", type=int, default=samples)
     parser.add_argument("--response-tokens", type=int, default=70)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="float32: the arms must agree to float32 rounding (the equivalence check at full size)")
+    parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--json", action="store_true")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_args(parser, groups=8, samples=8)  # --compute-dtype float32: the arms must agree to f32 rounding
     args = parser.parse_args()
     import numpy as np
 
@@ -99,13 +116,7 @@ def main():
     old = {name: l.old_logprobs(batch) for name, l in arms.items()}  # every mini-batch's (prepare skips the first's)
     old_diff = float(np.abs(old["shared"] - old["unshared"])[mask].max())
     updates = {name: arms[name].update(first[name]) for name in arms}      # the warm-up (compile) call
-    times = {name: [] for name in arms}
-    for _ in range(args.reps):
-        for name, l in arms.items():
-            start = time.perf_counter()
-            l.update(l.prepare(batch))
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) if t else float("nan") for name, t in times.items()}  # --reps 0: check only
+    med, times = alternated_step_seconds(arms, batch, args.reps)
     result = {
         "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"),
         "load_1min": os.getloadavg()[0], "groups": args.groups, "samples": args.samples,
