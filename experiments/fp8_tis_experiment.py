@@ -544,7 +544,7 @@ def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [([a for a in arms if not a.startswith("mxfp4")], "bf16 vs fp8_per_channel rollouts"),
+    panels = [([a for a in arms if not a.startswith("mxfp4")], "bf16 vs 8-bit (FP8, INT8) rollouts"),
               ([a for a in arms if a == "bf16" or a.startswith("mxfp4")], "bf16 vs MXFP4 (fake-quant) rollouts")]
     panels = [(panel, title) for panel, title in panels if any(a != "bf16" for a in panel)] or panels[:1]
     written = []
@@ -553,7 +553,8 @@ def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], s
             # the FP8 engine's score of one checkpoint differs with the CPU; each run's gain does not carry that
             ("gain", "accuracy/heldout", "held-out accuracy − the run's own step 0", 1, True),
             ("reward", "reward/mean", "train reward, 5-step moving average", 5, False)]:
-        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), sharey=True, squeeze=False)
+        # legends under the axes: with 7 arms in a panel they would cover the curves
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.6), sharey=True, squeeze=False)
         axes = axes[0]
         for ax, (panel, title) in zip(axes, panels):
             for arm in panel:
@@ -563,7 +564,7 @@ def plot(setting: Setting, runs: dict[tuple[str, int], Path], arms: list[str], s
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("RL step")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
         axes[0].set_ylabel(ylabel)
         fig.suptitle(f"{ylabel}: mean over seeds, band = min–max", fontsize=10)
         fig.tight_layout()
