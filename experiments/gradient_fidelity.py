@@ -300,8 +300,9 @@ def bootstrap_intervals(sketches: dict, reference, floor, resamples: int, seed: 
                         level: float = 0.95) -> dict:
     """sketches: (arm, correction) → (U [P, k] = S(n_p g_p) per prompt, n [P]). Paired bootstrap over prompts
     (one resample for every key) → key → {stat_ci: (lo, hi)} for cos and rel_l2 (against the reference's
-    resample), dcos (cos − the floor's cos), excess (rel_l2² − the floor's rel_l2²) and dcos_none (cos − the
-    same arm's cos without correction: what the correction moved), plus the sketch's own point values."""
+    resample), dcos (cos − the floor's cos), excess (rel_l2² − the floor's rel_l2²), dcos_none (cos − the
+    same arm's cos without correction: what the correction moved) and cos_floor (cos against the floor's
+    resample), plus the sketch's own point values."""
     p = next(iter(sketches.values()))[0].shape[0]
     weights = np.ones((1, p))
     if resamples:
@@ -312,17 +313,20 @@ def bootstrap_intervals(sketches: dict, reference, floor, resamples: int, seed: 
         with np.errstate(invalid="ignore", divide="ignore"):
             return (weights @ np.asarray(u, np.float64)) / (weights @ np.asarray(n, np.float64))[:, None]
 
+    def against_ref_and_floor(g):  # one resample of a key at a time: each is [1 + B, k] float64
+        return (*_rowwise(g, ref), _rowwise(g, floor_draw)[0])
+
     ref, floor_draw = resampled(reference), resampled(floor)
-    measured = {key: _rowwise(resampled(key), ref) for key in sketches}   # key → (cos [1 + B], rel [1 + B])
-    floor_cos, floor_rel = measured[floor]
+    measured = {key: against_ref_and_floor(resampled(key)) for key in sketches}  # → (cos, rel, cos_floor) [1 + B]
+    floor_cos, floor_rel, _ = measured[floor]
     tail = 100 * (1 - level) / 2
     out = {}
-    for key, (cos, rel) in measured.items():
+    for key, (cos, rel, cos_floor) in measured.items():
         stats = {"cos": cos, "rel_l2": rel, "dcos": cos - floor_cos, "excess": rel ** 2 - floor_rel ** 2,
-                 "cos_floor": _rowwise(resampled(key), floor_draw)[0]}
+                 "cos_floor": cos_floor}
         if (key[0], "none") in measured:
             stats["dcos_none"] = cos - measured[key[0], "none"][0]
-        row = {"cos_sketch": float(cos[0]), "rel_l2_sketch": float(rel[0]), "cos_floor": float(stats["cos_floor"][0])}
+        row = {"cos_sketch": float(cos[0]), "rel_l2_sketch": float(rel[0]), "cos_floor": float(cos_floor[0])}
         for name, values in stats.items():
             boot = values[1:]
             boot = boot[np.isfinite(boot)]
@@ -505,8 +509,8 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
 
     @functools.cache
     def learner_side():
-        """(learners per correction, sketch, k, D), built only when an estimate is missing from the cache (the
-        model's load and compilations): aggregating a finished measurement needs none of it."""
+        """(learners per correction, sketch), built only when an estimate is missing from the cache (the model's
+        load and compilations): aggregating a finished measurement needs none of it."""
         memory = MemoryConfig(**setting.memory)
         model, _ = load_hf_model(checkpoint, param_dtype=jnp.float32, compute_dtype=jnp.dtype(setting.compute_dtype),
                                  **memory.model_kwargs())
@@ -515,7 +519,7 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
         dim = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
         sketch, k = make_sketch(dim, sketch_dim, sketch_seed)
         log(f"[gradfid] {checkpoint}: {dim:,} parameters, sketch {k} dims")
-        return learners, sketch, k, dim
+        return learners, sketch
 
     log(f"[gradfid] {prompts} prompts x {samples} samples; arms {' '.join(arms)}; corrections "
         f"{' '.join(corrections)}; cache {cache.root}")
@@ -568,7 +572,7 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
                 if ref_full is None and arm != "ref":
                     ref_full = cache.reference_gradient()
                 t0 = time.perf_counter()
-                learners, sketch, _, _ = learner_side()
+                learners, sketch = learner_side()
                 full, per_prompt, n, tis_metrics, loss = estimate(learners[correction], cfg, drawn[arm],
                                                                   codec.pad_id, sketch, configs[correction])
                 if arm == "ref":
