@@ -145,7 +145,7 @@ def learner_child(args):
     from portable_rl.learner_jax.logprobs import sequence_logprobs
     from portable_rl.learner_jax.optim import make_optimizer
 
-    model, config = build_model(MODEL_TINY if args.dry_run else MODEL_1B)
+    model, config = build_model(MODEL_TINY if args.dry_run else MODEL_1B, "float32")
     optimizer = nnx.Optimizer(model, make_optimizer(learning_rate=1e-6), wrt=nnx.Param)
     rows, seq = (2, 32) if args.dry_run else (args.rows, args.seq)
     rng = np.random.default_rng(0)

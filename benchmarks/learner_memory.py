@@ -22,7 +22,8 @@ Paths (`--path`):
     new   the memory-linear learner: blockwise attention, one packed row of --tokens_per_device tokens per
           device (several sequences, segment ids), the gradient-accumulation micro-batch step (micro-batches
           of --micro_tokens per device, default all of them; each function of it measured), the chunked
-          logprob head (--chunk_tokens), remat (--remat, default 'full')
+          logprob head (--chunk_tokens), remat (--remat, default 'full'); `--row_tokens R` lays each
+          micro-batch out as rows of one R-token sequence instead (pack_sequences off: what cuDNN attention takes)
     old   the learner before it: dense attention ([B, K, G, T, T] f32 scores), the same tokens per device as
           rows of one sequence (--seq_len tokens each, default --tokens_per_device), one jitted step, no
           chunking, no remat
@@ -53,7 +54,8 @@ import os
 import sys
 import time
 
-# Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub); `tiny` for smoke tests.
+# Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub); `qwen2_1b` the GPU check's model;
+# `tiny` for smoke tests.
 MODELS = {
     "qwen3_8b": {
         "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -66,6 +68,12 @@ MODELS = {
         "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
         "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "max_position_embeddings": 131072, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    # benchmarks/gpu_check.py's ~1.0B Qwen2-like model (not a published checkpoint)
+    "qwen2_1b": {
+        "model_type": "qwen2", "hidden_size": 2048, "num_hidden_layers": 20, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 5504, "vocab_size": 32000,
+        "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
     },
     "tiny": {
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -91,6 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk_tokens", type=int, default=4096, help="new path: logprob_chunk_tokens")
     p.add_argument("--segment_tokens", type=int, default=2048,
                    help="new path: tokens per packed sequence (segment ids; shapes do not depend on it)")
+    p.add_argument("--row_tokens", type=int, default=None,
+                   help="new path: one sequence per row of this many tokens (pack_sequences off; default: "
+                        "one packed row of --micro_tokens)")
     p.add_argument("--seq_len", type=int, default=None,
                    help="old path: row length (one sequence per row; default --tokens_per_device)")
     p.add_argument("--cpu_scheduler", default="concurrency", choices=("concurrency", "memory"),
@@ -108,6 +119,8 @@ def parse_args(argv=None):
     micro = args.micro_tokens or args.tokens_per_device
     if args.tokens_per_device % micro:
         p.error(f"--tokens_per_device={args.tokens_per_device} is not a multiple of --micro_tokens={micro}")
+    if args.row_tokens is not None and (args.row_tokens < 1 or micro % args.row_tokens):
+        p.error(f"--micro_tokens={micro} is not a multiple of --row_tokens={args.row_tokens}")
     return args
 
 
@@ -209,34 +222,34 @@ def path_memory(path: str, args):
         return (MemoryConfig(attention_impl="dense", pack_sequences=False, max_tokens_per_micro_batch=None,
                              logprob_chunk_tokens=None, remat="none"), (args.tokens_per_device // seq, seq))
     micro = args.micro_tokens or args.tokens_per_device
-    return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=True,
+    row = args.row_tokens or micro
+    return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=args.row_tokens is None,
                          max_tokens_per_micro_batch=micro, logprob_chunk_tokens=args.chunk_tokens,
-                         remat=args.remat), (1, micro))
+                         remat=args.remat), (micro // row, row))
 
 
-def measure(path: str, config, mesh, args) -> dict:
-    """Compiles the functions of one update of `path` (what `rl.learner.Learner.update` runs: the fused
-    `make_train_step` for one micro-batch, else `make_grad_step` per micro-batch + `make_apply_step`)."""
+def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, micro_batches: int) -> dict:
+    """Per-device peak of one update (module doc) of `config` under `memory`, micro-batches of [rows, row_tokens]
+    per device: compiles what `rl.learner.Learner.update` runs (the fused `make_train_step` for one micro-batch,
+    else `make_grad_step` per micro-batch + `make_apply_step`) on abstract sharded shapes, for `mesh`'s backend.
+    Call it under `jax.set_mesh(mesh)`."""
+    import jax
     import jax.numpy as jnp
 
     from portable_rl.learner_jax import step as step_lib
     from portable_rl.rl.learner import make_loss_fn
 
-    memory, (rows, seq) = path_memory(path, args)
     model, optimizer = abstract_model_and_optimizer(
         config, mesh, model_kwargs=dict(attention_impl=memory.attention_impl, remat=memory.remat))
     fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
-    batch = abstract_batch(mesh, rows, seq, fields)
+    batch = abstract_batch(mesh, rows, row_tokens, fields)
     loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
     params, opt = tree_device_bytes(_params(model)), tree_device_bytes(_opt_state(optimizer))
-    micro_batches = args.tokens_per_device // (rows * seq)
     if micro_batches == 1:
         f = compile_stats("train_step", step_lib.make_train_step(loss_fn), model, optimizer, batch)
         f["persistent_argument_bytes"] = params + opt
         functions, persistent, grads = [f], params + opt, 0
     else:
-        import jax
-
         grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
                                 _params(model))                     # step.zero_grads, abstractly
         grads = tree_device_bytes(grad_sum)
@@ -247,11 +260,18 @@ def measure(path: str, config, mesh, args) -> dict:
         functions, persistent = [g, a], params + opt + grads
     out = combine(functions, persistent)
     out.update(params_bytes=params, optimizer_bytes=opt, grad_accumulator_bytes=grads,
-               micro_batches=micro_batches, rows_per_device=rows, row_tokens=seq,
+               micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
                knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
                       "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
                       "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat})
     return out
+
+
+def measure(path: str, config, mesh, args) -> dict:
+    """`predict_update_memory` for one path of the command line."""
+    memory, (rows, seq) = path_memory(path, args)
+    return predict_update_memory(config, mesh, memory, rows=rows, row_tokens=seq,
+                                 micro_batches=args.tokens_per_device // (rows * seq))
 
 
 def _params(model):

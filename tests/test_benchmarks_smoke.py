@@ -85,22 +85,53 @@ def test_learner_step_tiny_same_work_and_ratio(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_results(tmp_path):
+    """The prepared GPU run, rehearsed on CPU: every learner arm, the push and learner_memory's CPU prediction
+    run through the same code the GPU runs, and the numbers hang together."""
+    from benchmarks.gpu_check import ARMS
+
     out = run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--reps", "2", "--out", str(tmp_path)],
-              timeout=600, PYTHON=sys.executable)
+              timeout=900, PYTHON=sys.executable)
     assert "all checks ok" in out
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert result["ok"] and result["env"]["dry_run"]
-    mfu = result["mfu"]
-    assert mfu["peak_tflops"] == 989.0 and mfu["step_s_median"] > 0
-    assert mfu["mfu"] == pytest.approx(mfu["model_flops_per_step"] / mfu["step_s_median"] / 989e12)
-    assert result["dlpack"]["single_array"]["same_data_ptr"] and result["dlpack"]["tensors_checked"] > 10
-    assert result["dlpack"]["not_zero_copy"] == []
-    q = result["fp8_quantizer"]
-    assert q["projections"] == 2 * 7 and q["contiguous_GB_per_s"] > 0 and q["from_flax_GB_per_s"] > 0
-    assert q["roundtrip_max_abs_err"] <= q["roundtrip_bound"]
-    # the colocated smoke test ran after it (benchmarks.colocation_check; vLLM is never used in a dry run)
+    assert result["ok"] and result["env"]["dry_run"] and result["failed"] == []
+    assert result["peak_tflops"] == 989.0
+    assert set(result["arms"]) == {a.name for a in ARMS}
+    for name, arm in result["arms"].items():
+        assert arm["ok"] and "skipped" not in arm, (name, arm)
+        assert arm["mfu"] == pytest.approx(arm["model_flops"] / arm["update_s_median"] / 989e12)
+        assert arm["mfu_full_attention"] > arm["mfu"]              # the causal half of the attention square
+        assert arm["tokens"] == arm["arm"]["sequences"] * 64 and arm["padding_fraction"] == 0.0
+        assert arm["micro_batches"] == arm["tokens"] // 256         # 8192 / 32 tokens per micro-batch
+        # the update reused the prediction's compilations: its first call is far below their compile time
+        assert arm["first_update_s"] < arm["compile_s"] / 2, (name, arm["first_update_s"], arm["compile_s"])
+        assert arm["predicted_peak_bytes"] > arm["predicted"]["params_bytes"] + arm["predicted"]["optimizer_bytes"]
+    # the 7B arm sized itself from learner_memory's prediction (the tiny stand-in fits at both of its layers)
+    fit = result["arms"]["7b_stack_16k_packed"]["fit"]
+    assert fit["layers"] == fit["max_layers"] == 2
+    assert fit["predicted_peak_2_layers_bytes"] > fit["predicted_peak_1_layer_bytes"]
+    # learner_memory's CPU prediction of each 1B arm agrees with XLA's compile of the learner's own functions
+    # (the same backend in a dry run) to within 1 %
+    for name, p in result["cpu_prediction"].items():
+        assert p["peak_bytes"] == pytest.approx(result["arms"][name]["predicted_peak_bytes"], rel=0.01), name
+    # arms of one model and batch computed the same first update
+    (group,) = result["same_work"].values()
+    assert group["ok"] and len(group["grad_norms"]) == 4
+    push = result["push"]
+    assert push["ok"] and push["bf16_push"]["zero_copy"] == push["bf16_push"]["tensors"] > 10
+    int8 = push["int8"]
+    assert int8["bit_equal_to_torch"] and int8["int8_tensors"] == int8["projections"] == 2 * 7
+    assert int8["zero_copy"] == int8["tensors"] == 27 + 14                 # every int8 weight and its scale
+    assert int8["quantize_GB_per_s"] > 0 and int8["push_bf16_GB_per_s"] > 0
+    fp8 = push["fp8_blockwise"]
+    assert fp8["projections"] == 2 * 7 and fp8["roundtrip_max_abs_err"] <= fp8["roundtrip_bound"]
+
+
+@pytest.mark.slow
+def test_colocation_check_dry_run(tmp_path):
+    out = run([sys.executable, "-m", "benchmarks.colocation_check", "--dry-run", "--out", str(tmp_path)],
+              timeout=600)
     colocation = json.loads((tmp_path / "colocation_check.json").read_text())
-    assert colocation["ok"] and len(colocation["torch_holder"]["steps"]) == 2 and "vllm" not in colocation
+    assert colocation["ok"] and len(colocation["torch_holder"]["steps"]) == 2 and "vllm" not in colocation, out
     assert colocation["learner_xla_env"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                                              "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     assert 0 < colocation["predicted"]["gpu_memory_utilization"] < 1
