@@ -19,6 +19,10 @@ counted (model FLOPs, not hardware FLOPs). `mfu_full_attention` counts the whole
 sparsity, 989 TFLOP/s for an H100 SXM or H200 (same tensor cores), 756 for an H100 PCIe, 835 for an H100
 NVL (NVIDIA datasheets); another GPU needs --peak_tflops.
 
+First, in the environment check, the learner's cuDNN attention path (`attention.lengths_attention`, rows of
+one segment) against its blockwise kernel, forward and gradients (`env.cudnn_attention`); if it fails, the
+arms run 'blockwise' where they ask for cuDNN, and the run reports the failure.
+
 Memory, before anything runs: XLA's `memory_analysis` of the update's compiled functions on this device,
 combined as benchmarks/learner_memory.py does (`predicted_peak_bytes`); an arm predicted not to fit in the
 allocator's limit is reported and skipped (no out-of-memory tries). After the timed updates, the allocator's
@@ -172,6 +176,39 @@ def peak_flops(gpu_name: str | None, override_tflops: float | None) -> tuple[flo
     return None, f"unknown GPU {gpu_name!r}: pass --peak_tflops"
 
 
+def check_cudnn_attention(dry_run: bool) -> dict:
+    """The learner's cuDNN path (`attention.lengths_attention`: rows of one segment, right padding) against its
+    blockwise kernel, forward and gradients, bf16 GQA; a dry run runs the same path with XLA's implementation.
+    Until it passes on a GPU, the arms run 'blockwise' where they ask for cuDNN."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from portable_rl.learner_jax import attention
+
+    implementation = "xla" if dry_run else "cudnn"
+    B, T, N, K, H = 2, 512, 8, 2, 128
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (B, T, K, H), jnp.bfloat16) for key in keys[1:3])
+    w = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+    segment_ids = jnp.asarray(np.arange(T)[None, :] < np.array([[T], [300]]), jnp.int32)   # right padding
+
+    def run(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v, segment_ids).astype(jnp.float32) * w)
+        out = jax.jit(fn)(q, k, v, segment_ids)
+        return [out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)]
+
+    start = time.perf_counter()
+    got = run(lambda q, k, v, s: attention.lengths_attention(q, k, v, s, implementation))
+    ref = run(attention.blockwise_attention)
+    rel = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
+                 max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))), 1e-30)) for a, b in zip(got, ref)]
+    return {"implementation": implementation, "shape_BTNKH": [B, T, N, K, H],
+            "max_rel_diff": dict(zip(("out", "dq", "dk", "dv"), rel)), "seconds": time.perf_counter() - start,
+            "ok": max(rel) <= 2e-2}   # bf16 inputs and probabilities: a few ulps of 2^-8
+
+
 # ------------------------------------------------------------------------------------------ learner arm
 def model_config(arm: Arm, dry_run: bool, layers: int | None = None):
     from portable_rl.learner_jax.config import ModelConfig
@@ -182,12 +219,14 @@ def model_config(arm: Arm, dry_run: bool, layers: int | None = None):
     return ModelConfig.from_hf_dict(hf)
 
 
-def memory_config(arm: Arm, dry_run: bool):
-    """The arm's MemoryConfig; a dry run scales token counts down and runs 'cudnn' as 'blockwise'."""
+def memory_config(arm: Arm, dry_run: bool, cudnn: bool = True):
+    """The arm's MemoryConfig; a dry run scales token counts down; 'cudnn' and 'auto' run as 'blockwise' in a
+    dry run or when `cudnn` is False (the cuDNN check failed)."""
     from portable_rl.learner_jax.memory import MemoryConfig
 
     scale = DRY_RUN_SCALE if dry_run else 1
-    impl = "blockwise" if dry_run and arm.attention_impl in ("cudnn", "auto") else arm.attention_impl
+    no_cudnn = dry_run or not cudnn
+    impl = "blockwise" if no_cudnn and arm.attention_impl in ("cudnn", "auto") else arm.attention_impl
     return MemoryConfig(attention_impl=impl, pack_sequences=arm.pack_sequences,
                         max_tokens_per_micro_batch=arm.micro_tokens // scale,
                         logprob_chunk_tokens=arm.chunk_tokens // scale, remat=arm.remat)
@@ -244,7 +283,7 @@ def device_capacity(dry_run: bool) -> tuple[float, str]:
     return 4 * GB, "dry run: 4 GB nominal"
 
 
-def cut_layers_to_fit(arm: Arm, dry_run: bool, capacity: float) -> dict:
+def cut_layers_to_fit(arm: Arm, dry_run: bool, capacity: float, cudnn: bool) -> dict:
     """learner_memory's prediction at 1 and 2 layers of the arm's widths, on this device: the layer count that
     fits `capacity`."""
     import jax
@@ -253,7 +292,7 @@ def cut_layers_to_fit(arm: Arm, dry_run: bool, capacity: float) -> dict:
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 
     rows, row_tokens, micro_batches = micro_batch_shape(arm, dry_run)
-    memory = memory_config(arm, dry_run)
+    memory = memory_config(arm, dry_run, cudnn)
     mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
     peaks = []
     for layers in (1, 2):
@@ -309,7 +348,7 @@ def predict_update(learner, prepared) -> dict:
             "grad_accumulator_bytes": g}
 
 
-def run_arm(arm: Arm, dry_run: bool, reps: int, peak: float | None) -> dict:
+def run_arm(arm: Arm, dry_run: bool, reps: int, peak: float | None, cudnn: bool = True) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -328,13 +367,13 @@ def run_arm(arm: Arm, dry_run: bool, reps: int, peak: float | None) -> dict:
     layers = None
     if arm.model == "7b":
         start = time.perf_counter()
-        out["fit"] = cut_layers_to_fit(arm, dry_run, capacity)
+        out["fit"] = cut_layers_to_fit(arm, dry_run, capacity, cudnn)
         out["fit"]["seconds"] = time.perf_counter() - start
         layers = out["fit"]["layers"]
         if layers == 0:
             return {**out, "skipped": "not even one layer is predicted to fit", "ok": True}
     config = model_config(arm, dry_run, layers)
-    memory = memory_config(arm, dry_run)
+    memory = memory_config(arm, dry_run, cudnn)
     out.update(layers=config.num_hidden_layers, memory=dataclasses.asdict(memory))
     model = Transformer(config, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
                         **memory.model_kwargs())
@@ -549,9 +588,15 @@ def child(args) -> None:
     try:
         if args.part == "env":
             result = check_environment(args.dry_run)
+            try:
+                result["cudnn_attention"] = check_cudnn_attention(args.dry_run)
+            except Exception as e:  # noqa: BLE001  (the arms then run blockwise; the parent says so)
+                result["cudnn_attention"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
         elif args.part == "arm":
-            peak, _ = peak_flops(json.loads(args.env_json).get("gpu"), args.peak_tflops)
-            result = run_arm(next(a for a in ARMS if a.name == args.arm), args.dry_run, args.reps, peak)
+            env = json.loads(args.env_json)
+            peak, _ = peak_flops(env.get("gpu"), args.peak_tflops)
+            result = run_arm(next(a for a in ARMS if a.name == args.arm), args.dry_run, args.reps, peak,
+                             cudnn=env.get("cudnn_attention", {}).get("ok", False))
         elif args.part == "push":
             result = run_push(args.dry_run, args.reps)
         elif args.part == "cpu_prediction":
@@ -652,6 +697,11 @@ def parent(args) -> int:
     results = {"env": env, "peak_tflops": peak / 1e12 if peak else None, "peak_source": peak_source,
                "budget_s": args.budget_s, "arms": {}, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     path = bench_common.write_json(args.out, "gpu_check.json", results)
+    attention = env["cudnn_attention"]
+    print(f"gpu_check: cuDNN attention vs blockwise ({attention.get('implementation', 'cudnn')}): "
+          + (f"max rel diff {max(attention['max_rel_diff'].values()):.2e}" if "max_rel_diff" in attention
+             else attention.get("error", "")) + ("" if attention["ok"] else "; FAILED: the arms run blockwise"),
+          flush=True)
     arms = [a for a in ARMS if not args.arms or a.name in args.arms.split(",")]
     cpu_result = os.path.join(workdir, "cpu_prediction.json")
     cpu_proc = spawn("cpu_prediction", args, cpu_result, background=True) if not args.no_cpu_prediction else None
@@ -695,7 +745,8 @@ def parent(args) -> int:
     results["target"] = {"what": "MFU >= 45 % at 1B with the recipe's knobs", "best_1b_mfu":
                          max(measured_1b) if measured_1b else None,
                          "met": bool(measured_1b) and max(measured_1b) >= 0.45}
-    failed = [n for n, r in results["arms"].items() if not r.get("ok")] + \
+    failed = (["cudnn_attention"] if not env["cudnn_attention"]["ok"] else []) + \
+             [n for n, r in results["arms"].items() if not r.get("ok")] + \
              (["push"] if not results.get("push", {}).get("ok") else []) + \
              [n for n, s in results["same_work"].items() if not s["ok"]]
     results["failed"] = failed

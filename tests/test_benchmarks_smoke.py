@@ -95,6 +95,10 @@ def test_gpu_check_dry_run_writes_results(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["ok"] and result["env"]["dry_run"] and result["failed"] == []
     assert result["peak_tflops"] == 989.0
+    # the cuDNN path's check ran (XLA's implementation on CPU) and agreed with the blockwise kernel
+    attention = result["env"]["cudnn_attention"]
+    assert attention["ok"] and attention["implementation"] == "xla"
+    assert set(attention["max_rel_diff"]) == {"out", "dq", "dk", "dv"} and max(attention["max_rel_diff"].values()) > 0
     assert set(result["arms"]) == {a.name for a in ARMS}
     for name, arm in result["arms"].items():
         assert arm["ok"] and "skipped" not in arm, (name, arm)
