@@ -719,7 +719,7 @@ def parent(args) -> int:
             continue
         if part == "push":
             results["push"] = run_child("push", args, workdir, timeout=max(left, PUSH_RESERVE_S))
-            print(f"gpu_check: push: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "traceback"}
+            print("gpu_check: push: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "traceback"}
                                                       if isinstance(v, dict) else v
                                                       for k, v in results["push"].items()}), flush=True)
         else:
