@@ -708,11 +708,13 @@ def parent(args) -> int:
     env_json = json.dumps(env)
     plan = [("arm", a) for a in arms]
     plan.insert(min(PUSH_AFTER, len(plan)), ("push", None))
+    out_of_time = False  # once an arm does not fit in the budget, no later (lower-priority) arm starts
     for i, (part, arm) in enumerate(plan):
         left = deadline - time.perf_counter()
         push_pending = any(p == "push" for p, _ in plan[i + 1:])
         reserve = PUSH_RESERVE_S if push_pending else 0
-        if part == "arm" and left - reserve < ARM_MIN_S:
+        out_of_time = out_of_time or (part == "arm" and left - reserve < ARM_MIN_S)
+        if part == "arm" and out_of_time:
             results["arms"][arm.name] = {"arm": dataclasses.asdict(arm), "ok": True,
                                          "skipped": f"out of time ({left:.0f} s of --budget_s left)"}
             print(f"gpu_check: {arm.name}: {results['arms'][arm.name]['skipped']}", flush=True)

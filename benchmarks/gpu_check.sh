@@ -32,9 +32,9 @@ done
 if [ "$dry_run" = 0 ]; then
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 fi
-# The check stops starting arms at its --budget_s (290 s); this limit is for a hang. A dry run on a busy
-# 2-core CPU compiles slower.
-t_check=330; t_colocation=150
+# The check stops starting arms at its --budget_s (290 s; the push may run 50 s past it); this limit is for
+# a hang. A dry run on a busy 2-core CPU compiles slower.
+t_check=360; t_colocation=150
 if [ "$dry_run" = 1 ]; then t_check=900; t_colocation=290; fi
 status=0
 timeout "$t_check" "$PY" -m benchmarks.gpu_check "${check_args[@]}" || status=$?
