@@ -29,7 +29,7 @@ allocator's limit is reported and skipped (no out-of-memory tries). After the ti
 `peak_bytes_in_use` (`measured_peak_bytes`). `compile_s` = lower + compile of the update's functions; the
 first update reuses them (`first_update_s`). The 7B arm keeps Qwen2.5-7B's widths and cuts the layer count
 to what fits: learner_memory's prediction at 1 and 2 layers on this device gives the fixed and per-layer
-bytes. In the background, on the host's CPU, benchmarks/learner_memory.py predicts each 1B arm's peak as it
+bytes. In the background, on a quarter of the host's cores, benchmarks/learner_memory.py predicts each 1B arm's peak as it
 does for the recipes (`cpu_prediction`: XLA:CPU, blockwise attention), to set against the measured peak.
 
 Push (one child, after the first two arms): the 1B model's bf16 params as a push reads them:
@@ -621,6 +621,14 @@ def child_env(dry_run: bool, part: str) -> dict:
     return env
 
 
+def _background_cpus() -> None:
+    """The background CPU prediction gets the last quarter of the host's cores at a lower priority, so the
+    arms' GPU compilations (CPU-bound too) keep the rest."""
+    os.nice(10)
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus[-max(1, len(cpus) // 4):])
+
+
 def spawn(part: str, args, result: str, extra: list[str] = (), background: bool = False):
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--part", part, "--result", result, "--reps", str(args.reps)]
     cmd += (["--dry-run"] if args.dry_run else []) + list(extra)
@@ -629,7 +637,7 @@ def spawn(part: str, args, result: str, extra: list[str] = (), background: bool 
     env = child_env(args.dry_run, part)
     if background:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: os.nice(10))
+                                preexec_fn=_background_cpus)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
