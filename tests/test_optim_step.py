@@ -195,3 +195,39 @@ def test_train_step_donates_params_but_never_a_dlpack_exported_buffer():
     assert torch.equal(view, before)                              # the view still reads the old values
     new = np.asarray(model.layers[0].mlp.down_proj.kernel[...])
     assert not np.array_equal(new, before.numpy())                # while the model moved on
+
+
+def test_read_only_steps_return_no_copy_of_the_params():
+    """The gradient step adds ∇loss into the donated accumulator in place and returns only its metrics; the
+    learner's forward returns only logprobs. nnx.jit's default would also return the params (a copy on every
+    call) and, for the gradient step, the accumulator a second time (learner_jax/step.py)."""
+    from portable_rl.learner_jax.step import make_grad_step, zero_grads
+    from portable_rl.rl.learner import _jitted, _LossSettings
+    from portable_rl import tis
+
+    model = Transformer(TINY, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 8)), jnp.int32)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids)}
+
+    def loss_fn(m, b):
+        logp, _ = sequence_logprobs(m, b["input_ids"], b["attention_mask"])
+        return -logp.mean(), {}
+
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    grads = zero_grads(model)
+    grad_step = make_grad_step(loss_fn)
+    memory = grad_step.lower(model, batch, grads).compile().memory_analysis()
+    assert memory.alias_size_in_bytes == params_bytes                           # the f32 accumulator, in place
+    assert memory.output_size_in_bytes - memory.alias_size_in_bytes < 1024       # + the scalar metrics
+
+    # accumulating twice gives twice the gradient
+    grad_step(model, batch, grads)
+    grad_step(model, batch, grads)
+    want = nnx.grad(lambda m: loss_fn(m, batch)[0])(model)
+    for got, one in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), 2 * np.asarray(one), rtol=1e-5, atol=1e-7)
+
+    settings = _LossSettings(0.2, 0.28, None, "decoupled")
+    fns = _jitted(settings, 1.0, None, tis.RolloutCorrectionConfig(mode="token", clip=2.0))
+    memory = fns["logprobs"].lower(model, ids, jnp.ones_like(ids)).compile().memory_analysis()
+    assert memory.output_size_in_bytes == ids.size * 4                          # [B, T] f32 logprobs only

@@ -8,8 +8,13 @@
 is a sum of per-micro-batch terms, e.g. `losses.policy_loss(..., token_weights=)`):
 
     G = zero_grads(model)                        f32, laid out (sharded) like the params
-    G, metrics_j = grad_step(model, batch_j, G)  G += ∇ loss_j   (G's buffers donated: updated in place)
+    metrics_j = grad_step(model, batch_j, G)     G += ∇ loss_j in place (G's buffers donated)
     apply_step(model, optimizer, G)              one optimizer update with Σ_j ∇ loss_j; grad_norm of it
+
+Functions that only read the model (`grad_step`, the learner's forwards) are jitted with
+`graph_updates=False`: `nnx.jit` then returns only the variables a call changed. By default it returns the
+state of every graph node it was given, i.e. a copy of the params on every call and, for `grad_step`, a
+second gradient-sized buffer (docs/experiments/learner_performance.md, "Read-only steps").
 """
 
 from __future__ import annotations
@@ -62,15 +67,19 @@ def zero_grads(model, dtype=jnp.float32):
 
 
 def make_grad_step(loss_fn: Callable) -> Callable:
-    """jitted `fn(model, batch, grad_sum) -> (grad_sum + ∇loss, metrics)`; `grad_sum` (from `zero_grads`)
-    is donated, so accumulating costs no second gradient-sized buffer. The model is only read."""
+    """jitted `fn(model, batch, grad_sum) -> metrics` that adds ∇loss to `grad_sum` (from `zero_grads`) in
+    place: its buffers are donated and written, so accumulating costs no second gradient-sized buffer, and
+    the model, only read, is not copied out (module doc)."""
 
-    @functools.partial(nnx.jit, donate_argnums=(2,))
+    def accumulate(acc: nnx.Variable, g: nnx.Variable) -> None:
+        acc[...] = acc[...] + g[...].astype(acc.dtype)
+
+    @functools.partial(nnx.jit, donate_argnums=(2,), graph_updates=False)
     def grad_step(model, batch, grad_sum):
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.Param), has_aux=True)
         (loss, metrics), grads = grad_fn(model, batch)
-        grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grad_sum, grads)
-        return grad_sum, dict(metrics, loss=loss)
+        jax.tree.map(accumulate, grad_sum, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return dict(metrics, loss=loss)
 
     return grad_step
 

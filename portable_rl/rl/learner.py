@@ -176,9 +176,11 @@ def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correctio
     on = (lambda m: m) if view is None else view
     loss_fn = make_loss_fn(settings, temperature, chunk_tokens, correction, model_view=ste_view)
     return dict(
+        # read-only: graph_updates=False returns the logprobs, not a copy of the params (learner_jax/step.py)
         logprobs=nnx.jit(lambda m, ids, am: sequence_logprobs(on(m), ids, am, temperature,
-                                                              chunk_tokens=chunk_tokens)[0]),
-        row_logprobs=nnx.jit(lambda m, b: row_logprobs(on(m), b, temperature, chunk_tokens)[0]),
+                                                              chunk_tokens=chunk_tokens)[0], graph_updates=False),
+        row_logprobs=nnx.jit(lambda m, b: row_logprobs(on(m), b, temperature, chunk_tokens)[0],
+                             graph_updates=False),
         train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
 
 
@@ -530,7 +532,7 @@ class Learner:
                     else:
                         grads, parts = zero_grads(self.model), []
                         for mb in micro:
-                            grads, m = self._grad_step(self.model, self._device(mb), grads)
+                            m = self._grad_step(self.model, self._device(mb), grads)  # grads += ∇ in place
                             parts.append(m)
                         applied = self._apply_step(self.model, self.optimizer, grads)
                 if prepared.deferred is not None and index == prepared.deferred.index:
@@ -562,7 +564,7 @@ class Learner:
             with self._on_mesh():
                 grads, parts = zero_grads(self.model), []
                 for mb in micro:
-                    grads, m = self._grad_step(self.model, self._device(mb), grads)
+                    m = self._grad_step(self.model, self._device(mb), grads)  # grads += ∇ in place
                     parts.append(m)
             if prepared.deferred is not None and index == prepared.deferred.index:
                 rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
