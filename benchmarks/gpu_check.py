@@ -69,7 +69,7 @@ import time
 import traceback
 
 from benchmarks import bench_common
-from benchmarks.learner_memory import MODELS, combine, compile_stats
+from benchmarks.learner_memory import MODELS, compile_update
 
 # dense bf16 FLOP/s without sparsity, by a substring of torch.cuda.get_device_name (NVIDIA datasheets)
 PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12))
@@ -319,33 +319,15 @@ def rollouts(n: int, vocab: int, dry_run: bool, seed: int = 0) -> dict:
 
 
 def predict_update(learner, prepared) -> dict:
-    """Compiles what `learner.update(prepared)` runs, on its real arguments (the update then reuses the
-    compilations), and combines XLA's memory_analysis of each function as learner_memory.py does."""
-    import jax
-    from flax import nnx
-
+    """learner_memory's `compile_update` of the learner's own step functions on the update's real arguments
+    (the update then reuses the compilations)."""
     from portable_rl.learner_jax.step import zero_grads
 
-    def nbytes(tree):
-        return sum(x.nbytes for x in jax.tree.leaves(tree))
-
     micro = prepared.micro_batches[0]
-    params, opt = nbytes(nnx.state(learner.model, nnx.Param)), nbytes(nnx.state(learner.optimizer))
-    if len(micro) == 1:
-        f = compile_stats("train_step", learner._train_step, learner.model, learner.optimizer, micro[0])
-        f["persistent_argument_bytes"] = params + opt
-        functions, g = [f], 0
-    else:
-        grads = zero_grads(learner.model)  # an accumulator like the update's; freed before the update runs
-        g = nbytes(grads)
-        fg = compile_stats("grad_step", learner._grad_step, learner.model, micro[0], grads)
-        fg["persistent_argument_bytes"] = params + g
-        fa = compile_stats("apply_step", learner._apply_step, learner.model, learner.optimizer, grads)
-        fa["persistent_argument_bytes"] = params + opt + g
-        functions = [fg, fa]
-        del grads
-    return {**combine(functions, params + opt + g), "params_bytes": params, "optimizer_bytes": opt,
-            "grad_accumulator_bytes": g}
+    steps = dict(train_step=learner._train_step, grad_step=learner._grad_step, apply_step=learner._apply_step)
+    # an accumulator like the update's, freed before the update runs
+    grad_sum = None if len(micro) == 1 else zero_grads(learner.model)
+    return compile_update(steps, learner.model, learner.optimizer, micro[0], grad_sum)
 
 
 def run_arm(arm: Arm, dry_run: bool, reps: int, peak: float | None, cudnn: bool = True) -> dict:

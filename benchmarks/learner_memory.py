@@ -228,13 +228,37 @@ def path_memory(path: str, args):
                          remat=args.remat), (micro // row, row))
 
 
+def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
+    """Compiles what `rl.learner.Learner.update` runs for one mini-batch and combines each function's
+    memory_analysis (module doc): `steps["train_step"]` when `grad_sum` is None (one micro-batch), else
+    `steps["grad_step"]` + `steps["apply_step"]` with the f32 accumulator `grad_sum` resident. The arguments
+    may be abstract (sharded ShapeDtypeStructs) or the real arrays, whose compilations a later call reuses."""
+    from flax import nnx
+
+    # the optimizer's state: step counter + opt_state (nnx.Optimizer holds no model reference)
+    params, opt = tree_device_bytes(nnx.state(model, nnx.Param)), tree_device_bytes(nnx.state(optimizer))
+    if grad_sum is None:
+        f = compile_stats("train_step", steps["train_step"], model, optimizer, batch)
+        f["persistent_argument_bytes"] = params + opt
+        functions, grads = [f], 0
+    else:
+        grads = tree_device_bytes(grad_sum)
+        g = compile_stats("grad_step", steps["grad_step"], model, batch, grad_sum)
+        g["persistent_argument_bytes"] = params + grads
+        a = compile_stats("apply_step", steps["apply_step"], model, optimizer, grad_sum)
+        a["persistent_argument_bytes"] = params + opt + grads
+        functions = [g, a]
+    return {**combine(functions, params + opt + grads), "params_bytes": params, "optimizer_bytes": opt,
+            "grad_accumulator_bytes": grads}
+
+
 def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, micro_batches: int) -> dict:
     """Per-device peak of one update (module doc) of `config` under `memory`, micro-batches of [rows, row_tokens]
-    per device: compiles what `rl.learner.Learner.update` runs (the fused `make_train_step` for one micro-batch,
-    else `make_grad_step` per micro-batch + `make_apply_step`) on abstract sharded shapes, for `mesh`'s backend.
-    Call it under `jax.set_mesh(mesh)`."""
+    per device: `compile_update` of the learner's step functions (`learner_jax.step`) on abstract sharded
+    shapes, for `mesh`'s backend. Call it under `jax.set_mesh(mesh)`."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from portable_rl.learner_jax import step as step_lib
     from portable_rl.rl.learner import make_loss_fn
@@ -244,23 +268,12 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
     fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
     batch = abstract_batch(mesh, rows, row_tokens, fields)
     loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
-    params, opt = tree_device_bytes(_params(model)), tree_device_bytes(_opt_state(optimizer))
-    if micro_batches == 1:
-        f = compile_stats("train_step", step_lib.make_train_step(loss_fn), model, optimizer, batch)
-        f["persistent_argument_bytes"] = params + opt
-        functions, persistent, grads = [f], params + opt, 0
-    else:
-        grad_sum = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
-                                _params(model))                     # step.zero_grads, abstractly
-        grads = tree_device_bytes(grad_sum)
-        g = compile_stats("grad_step", step_lib.make_grad_step(loss_fn), model, batch, grad_sum)
-        g["persistent_argument_bytes"] = params + grads
-        a = compile_stats("apply_step", step_lib.make_apply_step(), model, optimizer, grad_sum)
-        a["persistent_argument_bytes"] = params + opt + grads
-        functions, persistent = [g, a], params + opt + grads
-    out = combine(functions, persistent)
-    out.update(params_bytes=params, optimizer_bytes=opt, grad_accumulator_bytes=grads,
-               micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
+    steps = dict(train_step=step_lib.make_train_step(loss_fn), grad_step=step_lib.make_grad_step(loss_fn),
+                 apply_step=step_lib.make_apply_step())
+    grad_sum = None if micro_batches == 1 else jax.tree.map(  # step.zero_grads, abstractly
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), nnx.state(model, nnx.Param))
+    out = compile_update(steps, model, optimizer, batch, grad_sum)
+    out.update(micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
                knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
                       "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
                       "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat})
@@ -272,18 +285,6 @@ def measure(path: str, config, mesh, args) -> dict:
     memory, (rows, seq) = path_memory(path, args)
     return predict_update_memory(config, mesh, memory, rows=rows, row_tokens=seq,
                                  micro_batches=args.tokens_per_device // (rows * seq))
-
-
-def _params(model):
-    from flax import nnx
-
-    return nnx.state(model, nnx.Param)
-
-
-def _opt_state(optimizer):
-    from flax import nnx
-
-    return nnx.state(optimizer)   # step counter + opt_state (nnx.Optimizer holds no model reference)
 
 
 def main(argv=None):

@@ -515,6 +515,12 @@ class Learner:
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
                              "update(s) ran since; prepare it again right before updating (Learner.step does both)")
 
+    def _micro_batch_gradients(self, micro: list[dict]) -> tuple:
+        """(Σ over the micro-batches of ∇loss, in a f32 accumulator; each micro-batch's metrics)."""
+        grads = zero_grads(self.model)
+        parts = [self._grad_step(self.model, self._device(mb), grads) for mb in micro]  # grads += ∇ in place
+        return grads, parts
+
     def update(self, prepared: PreparedBatch) -> dict:
         """ppo_epochs passes of one optimizer update per mini-batch; returns `train/*` averaged over updates,
         and with a deferred mini-batch the `tis/*` metrics (module doc). `prepared` is not modified."""
@@ -530,10 +536,7 @@ class Learner:
                         parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
                         applied = parts[0]
                     else:
-                        grads, parts = zero_grads(self.model), []
-                        for mb in micro:
-                            m = self._grad_step(self.model, self._device(mb), grads)  # grads += ∇ in place
-                            parts.append(m)
+                        grads, parts = self._micro_batch_gradients(micro)
                         applied = self._apply_step(self.model, self.optimizer, grads)
                 if prepared.deferred is not None and index == prepared.deferred.index:
                     # this forward gave the old logprobs: later passes (ppo_epochs > 1) train on the completed batch
@@ -562,10 +565,7 @@ class Learner:
             if not any(mb["response_mask"].any() for mb in micro):
                 continue
             with self._on_mesh():
-                grads, parts = zero_grads(self.model), []
-                for mb in micro:
-                    m = self._grad_step(self.model, self._device(mb), grads)  # grads += ∇ in place
-                    parts.append(m)
+                grads, parts = self._micro_batch_gradients(micro)
             if prepared.deferred is not None and index == prepared.deferred.index:
                 rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
                 tis_metrics = {k: v for k, v in complete_deferred(prepared, rows, self.correction).metrics.items()
