@@ -40,6 +40,28 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
+# Seconds per test file (setup + call + teardown of its tests, module fixtures included), summed on the
+# controller from every worker's reports: under `--dist loadfile` a file's sum is its wall time on its worker,
+# so the longest one bounds a two-worker run.
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES_SHOWN = 10
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest test files of this run, so a slow addition is seen the day it lands."""
+    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # workers report to the controller
+        return
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES_SHOWN]
+    terminalreporter.write_sep("=", f"{len(slowest)} slowest test files (seconds, setup + call + teardown)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+
+
 def pytest_collection_modifyitems(config, items):
     # Stable: pytest's order after SLOWEST_FIRST. The Ray files need not sit together: the scheduler makes
     # them one unit, placed where the first of them is.
