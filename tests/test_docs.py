@@ -104,3 +104,18 @@ def test_every_gin_name_in_the_docs_is_a_real_knob():
 ])
 def test_gin_name_pattern(text, expected):
     assert [m.groups() for m in _GIN_NAME.finditer(text)] == expected
+
+
+def test_every_macro_the_docs_pass_is_one_a_gin_file_defines():
+    """`--gin.MACRO=…` in the docs names a macro some file under gin/ binds (`MACRO = …`); gin ignores a macro
+    that nothing reads, so a misspelt or removed one would be silently dropped."""
+    defined = set()
+    for path in (ROOT / "gin").glob("**/*.gin"):
+        defined |= set(re.findall(r"^([A-Z][A-Z0-9_]*)\s*=", path.read_text(), re.M))
+    problems = []
+    for path in _user_docs() + [ROOT / "README.md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for macro in re.findall(r"--gin\.([A-Z][A-Z0-9_]*)\b", line):
+                if macro not in defined and macro != "NAME":  # NAME: the placeholder of --gin.NAME=VALUE
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: --gin.{macro} is defined by no gin file")
+    assert not problems, "\n".join(problems)
