@@ -65,6 +65,10 @@ def _reference_knobs() -> dict[str, set[str]]:
 _GIN_NAME = re.compile(r"(?<![\w./-])((?:[a-z_][a-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*)\.([a-z_][a-z0-9_]*)\b(?![(\w])")
 
 
+# The same names as command-line bindings: --gin.rl.LossConfig.clip_eps_high=0.3.
+_GIN_FLAG = re.compile(r"--gin\.((?:[a-z_][a-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*)\.([a-z_][a-z0-9_]*)\b")
+
+
 def _user_docs():
     return [p for p in sorted(DOCS.glob("**/*.md")) if "reference" not in p.parts]
 
@@ -86,7 +90,7 @@ def test_every_gin_name_in_the_docs_is_a_real_knob():
     problems = []
     for path in _user_docs():
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            for m in _GIN_NAME.finditer(line):
+            for m in [*_GIN_NAME.finditer(line), *_GIN_FLAG.finditer(line)]:
                 owner, knob = m.groups()
                 name = f"{owner}.{knob}"
                 where = f"{path.relative_to(ROOT)}:{number}: {name}"
