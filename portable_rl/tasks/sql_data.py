@@ -393,7 +393,9 @@ class SkyrlSqlTask:
       db_root: the OmniSQL data folder (holding SynSQL-2.5M/databases, spider/database, ...).
       num_eval: held-out examples.
       seed: the seed of the training batches (rows drawn without replacement within a batch).
-      environment, reward, name: as in `SqlTask`.
+      environment: the registered environment that runs and scores these examples.
+      reward: what scores a trajectory: the SQL environment's execution match (not a text reward).
+      name: the task's name in evaluation reports.
     """
     train_path: str
     eval_path: str
@@ -458,11 +460,13 @@ class SqlTraceTask:
       sql_task: the generated task whose questions and databases are used.
       peek_probability: the share of traces that look at the table before querying.
       max_turns: the environment's turn limit the traces' reminders count down from.
+      reward: the registered text reward a single-turn scorer would use: the whole trace, verbatim.
+      name: the task's name in reports.
     """
     sql_task: SqlTask
     peek_probability: float = 0.5
     max_turns: int = 6
-    reward: str = "sql_execution"
+    reward: str = "exact_match"
     name: str = "sql_traces"
 
     def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
