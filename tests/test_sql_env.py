@@ -99,6 +99,15 @@ def test_observation_caps_rows_and_bytes_and_says_so(db):
     assert "(no rows)" in step.observation
 
 
+def test_large_values_are_cut_in_observations_and_a_huge_result_never_matches(db):
+    start = time.monotonic()
+    step = _env(db).step("<sql>SELECT id, zeroblob(999999) FROM t</sql>")  # 100 MB of blobs
+    assert len(step.observation) < 5000 and "truncated" in step.observation and "…" in step.observation
+    huge = "SELECT id, zeroblob(999999) FROM t"
+    assert _env(db, gold=huge).step(f"<solution>{huge}</solution>").reward == 0.0  # over the 16 MB fetch budget
+    assert time.monotonic() - start < 3 * TIMEOUT_S
+
+
 def test_turn_protocol_reminders_and_format_errors(db):
     env = _env(db, max_turns=3)
     first = env.step("<think>look</think><sql>SELECT COUNT(*) FROM t</sql>")

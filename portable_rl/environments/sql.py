@@ -16,7 +16,8 @@ format error scores 0. `execution_reward` is the one scoring function: the envir
 Execution safety (`ReadOnlyDatabase`): the file opens read-only (`file:…?mode=ro`, `PRAGMA query_only=ON`);
 an authorizer lets only reads run (SELECT / WITH, functions, recursive CTEs, schema pragmas such as
 `table_info`), so DROP, ATTACH and writable_schema are refused; a progress handler stops a query at its time
-limit; one statement per call; the query text, any one string value and the fetched rows are capped.
+limit; one statement per call; the query text, any one string value, and the fetched rows (count and bytes)
+are capped.
 Every failure comes back as text in the observation; nothing the policy writes raises.
 """
 
@@ -39,6 +40,8 @@ _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_F
 _SCHEMA_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
                    "foreign_key_list"}
 _PROGRESS_OPCODES = 1000  # the time limit is checked every this many SQLite VM instructions (~tens of µs)
+_FETCH_CHUNK = 256
+_MAX_CELL_CHARS = 200  # a value longer than this is cut in an observation (the row still counts in full for the reward)
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
 
 
@@ -67,14 +70,16 @@ class ReadOnlyDatabase:
       max_query_chars: longer query texts are refused before SQLite sees them.
       max_value_bytes: SQLite's length limit: no string or blob (a literal, a `group_concat`, a `zeroblob`)
         may be larger.
+      max_result_bytes: fetching stops (the result is incomplete) once the fetched strings and blobs exceed this.
     """
 
     def __init__(self, path: str, *, timeout_s: float = 5.0, max_query_chars: int = 20_000,
-                 max_value_bytes: int = 1_000_000):
+                 max_value_bytes: int = 1_000_000, max_result_bytes: int = 16_000_000):
         if not os.path.isfile(path):
             raise ConfigError(f"SQL database {path!r} does not exist; point the example's metadata['db_path'] "
                               f"(or the task's db directory) at an existing .sqlite file")
         self.path, self.timeout_s, self.max_query_chars = path, timeout_s, max_query_chars
+        self.max_result_bytes = max_result_bytes
         uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
         # The driver runs steps on a thread pool: one trajectory's steps may land on different threads (never two at once).
         self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
@@ -88,7 +93,8 @@ class ReadOnlyDatabase:
         self._conn.set_progress_handler(lambda: time.monotonic() > self._deadline, _PROGRESS_OPCODES)
 
     def execute(self, sql: str, max_rows: int) -> QueryResult:
-        """Runs `sql` (one statement) and fetches at most `max_rows` rows; errors come back in `QueryResult.error`."""
+        """Runs `sql` (one statement) and fetches at most `max_rows` rows and `max_result_bytes` of text and blobs;
+        errors come back in `QueryResult.error`."""
         if len(sql) > self.max_query_chars:
             return QueryResult(error=f"Error: the query is {len(sql)} characters long; the limit is "
                                      f"{self.max_query_chars}")
@@ -100,8 +106,14 @@ class ReadOnlyDatabase:
         cursor = self._conn.cursor()
         try:
             cursor.execute(sql)
-            rows = cursor.fetchmany(max_rows + 1)
             columns = tuple(d[0] for d in cursor.description or ())
+            rows, size, complete = [], 0, True
+            while chunk := cursor.fetchmany(min(_FETCH_CHUNK, max_rows + 1)):
+                rows += chunk
+                size += sum(len(v) for row in chunk for v in row if isinstance(v, (str, bytes)))
+                if len(rows) > max_rows or size > self.max_result_bytes:
+                    complete = False
+                    break
         except sqlite3.OperationalError as e:
             if time.monotonic() > self._deadline and "interrupt" in str(e):
                 return QueryResult(error=f"Error: the query ran past its {self.timeout_s:g} s time limit and was "
@@ -112,7 +124,7 @@ class ReadOnlyDatabase:
             return QueryResult(error=f"Error: {_explain(e)}")
         finally:
             cursor.close()
-        return QueryResult(columns=columns, rows=tuple(rows[:max_rows]), complete=len(rows) <= max_rows)
+        return QueryResult(columns=columns, rows=tuple(rows[:max_rows]), complete=complete)
 
     def close(self) -> None:
         self._conn.close()
@@ -134,7 +146,7 @@ def format_observation(result: QueryResult, max_rows: int, max_bytes: int) -> st
     size = len(lines[0].encode())
     shown = 0
     for row in result.rows[:max_rows]:
-        line = " | ".join("NULL" if v is None else str(v) for v in row)
+        line = " | ".join(_cell(v) for v in row)
         size += len(line.encode()) + 1
         if size > max_bytes:
             break
@@ -146,6 +158,11 @@ def format_observation(result: QueryResult, max_rows: int, max_bytes: int) -> st
     elif shown == 0:
         lines.append("(no rows)")
     return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    text = "NULL" if value is None else str(value)
+    return text if len(text) <= _MAX_CELL_CHARS else text[:_MAX_CELL_CHARS] + "…"
 
 
 def _normalized(row: tuple) -> tuple:
