@@ -294,3 +294,32 @@ def test_skyrl_sql_bad_input_names_the_fix(tmp_path):
         read_skyrl_sql(parquet, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="SkyRL-SQL-653"):
         read_skyrl_sql(str(tmp_path / "none.parquet"), str(tmp_path))
+
+
+# ---- gin ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def clean_gin():
+    import gin
+    gin.clear_config()
+    yield gin
+    gin.clear_config()
+
+
+def test_gin_data_files_build_the_sql_tasks(clean_gin, task, tmp_path):
+    from portable_rl import gin_utils
+
+    gin_utils.parse_gin(["gin/data/sql_generated.gin"], ["SEED = 3", f"SQL_CACHE_DIR = '{task.cache_dir}'",
+                                                          "SQL_LEVELS = (1, 2)"])
+    built = clean_gin.query_parameter("%TASK").scoped_configurable_fn()
+    assert isinstance(built, SqlTask) and built.seed == 3 and built.levels == (1, 2)
+    clean_gin.clear_config()
+    root = tmp_path / "data"
+    (root / "spider" / "database" / "toy_db").mkdir(parents=True)
+    _make_db(root / "spider" / "database" / "toy_db" / "toy_db.sqlite")
+    rows = [{**row, "data": "spider", "data_source": "spider"} for row in _skyrl_rows(["toy_db"])]
+    parquet = _write_parquet(tmp_path / "train.parquet", rows)
+    gin_utils.parse_gin(["gin/data/skyrl_sql.gin"], ["SEED = 0", f"SQL_TRAIN_PATH = '{parquet}'",
+                                                     f"SQL_EVAL_PATH = '{parquet}'", f"SQL_DB_ROOT = '{root}'"])
+    built = clean_gin.query_parameter("%TASK").scoped_configurable_fn()
+    assert isinstance(built, SkyrlSqlTask) and built.eval_examples()[0].metadata["db_id"] == "toy_db"
