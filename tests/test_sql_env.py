@@ -323,3 +323,17 @@ def test_gin_data_files_build_the_sql_tasks(clean_gin, task, tmp_path):
                                                      f"SQL_EVAL_PATH = '{parquet}'", f"SQL_DB_ROOT = '{root}'"])
     built = clean_gin.query_parameter("%TASK").scoped_configurable_fn()
     assert isinstance(built, SkyrlSqlTask) and built.eval_examples()[0].metadata["db_id"] == "toy_db"
+
+
+def test_the_7b_sql_recipe_parses_with_the_seed_settings(clean_gin):
+    from portable_rl.train import register_gin
+
+    register_gin()
+    from portable_rl import gin_utils
+
+    gin_utils.parse_gin(["gin/recipes/qwen2_5_coder_7b_sql_vllm_fp8.gin"],
+                        ["MODEL_PATH = '/m'", "SQL_TRAIN_PATH = '/t'", "SQL_EVAL_PATH = '/v'", "SQL_DB_ROOT = '/d'"])
+    q = clean_gin.query_parameter
+    assert (q("tis.RolloutCorrectionConfig.mode"), q("tis.RolloutCorrectionConfig.clip")) == ("sequence", 4.0)
+    assert (q("rl.DataConfig.prompt_batch_size"), q("rl.GenerationConfig.n_samples")) == (256, 5)
+    assert q("%QUANTIZATION") == "fp8" and q("%LEARNING_RATE") == 1e-6 and q("%MAX_RESPONSE_TOKENS") == 3000
