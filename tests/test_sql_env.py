@@ -27,7 +27,8 @@ def _sha256(path) -> str:
 def _make_db(path):
     conn = sqlite3.connect(path)
     conn.executescript("""CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT, city TEXT, score REAL);
-                          CREATE TABLE u (id INTEGER PRIMARY KEY, t_id INTEGER, tag TEXT);""")
+                          CREATE TABLE u (id INTEGER PRIMARY KEY, t_id INTEGER, tag TEXT);
+                          CREATE INDEX u_tag ON u (tag);""")
     conn.executemany("INSERT INTO t VALUES (?, ?, ?, ?)",
                      [(i, f"n{i}", ["Oslo", "Rome", "Lima"][i % 3], i / 3) for i in range(100)])
     conn.executemany("INSERT INTO u VALUES (?, ?, ?)", [(i, i % 10, "x" if i % 2 else "y") for i in range(40)])
@@ -80,6 +81,21 @@ def test_bad_sql_is_an_error_observation_in_time_and_the_file_is_unchanged(db, t
     # The environment keeps working: a good query and a right answer after the bad one.
     assert "n3" in env.step("<sql>SELECT name FROM t WHERE id = 3</sql>").observation
     assert env.step("<solution>SELECT name FROM t WHERE city = 'Oslo'</solution>").reward == 1.0
+
+
+@pytest.mark.parametrize("query", ["INSERT INTO t VALUES (1000, 'a', 'b', 0)", "CREATE INDEX ix ON t (name)", "REINDEX",
+                                   "ANALYZE", "VACUUM", "PRAGMA query_only=OFF", "PRAGMA journal_mode=WAL",
+                                   "SELECT fts3_tokenizer('simple')", "SELECT load_extension('x')"])
+def test_other_writes_and_unsafe_functions_are_refused(db, query):
+    before = _sha256(db)
+    step = _env(db).step(f"<sql>{query}</sql>")
+    assert step.observation.startswith("<observation>\nError") and _sha256(db) == before
+
+
+def test_schema_reads_are_allowed(db):
+    env = _env(db)
+    assert "t_id" in env.step("<sql>PRAGMA table_info(u)</sql>").observation
+    assert "CREATE TABLE u" in env.step("<sql>SELECT sql FROM sqlite_master WHERE name = 'u'</sql>").observation
 
 
 def test_invalid_utf8_stored_in_the_database_is_shown_not_raised(db):

@@ -39,6 +39,8 @@ _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_F
 # Pragmas that only describe the schema; every other pragma (writable_schema, journal_mode, ...) is refused.
 _SCHEMA_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
                    "foreign_key_list"}
+# fts3_tokenizer('simple') returns a native pointer (an address leak); load_extension loads code (off anyway).
+_DENIED_FUNCTIONS = {"fts3_tokenizer", "load_extension"}
 _PROGRESS_OPCODES = 1000  # the time limit is checked every this many SQLite VM instructions (~tens of µs)
 _FETCH_CHUNK = 256
 _MAX_CELL_CHARS = 200  # a value longer than this is cut in an observation (the row still counts in full for the reward)
@@ -54,6 +56,8 @@ class QueryResult:
 
 
 def _authorize(action, arg1, arg2, db_name, trigger):
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
     if action in _ALLOWED_ACTIONS:
         return sqlite3.SQLITE_OK
     if action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in _SCHEMA_PRAGMAS:
