@@ -41,6 +41,7 @@ from portable_rl.tasks.base import Example, GeneratedTask
 GENERATOR_VERSION = 1  # bump when the schemas, the fill or the templates change: the cache keys on it
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "portable_rl", "sql_databases")
 _EVAL_STREAM = 2**31 - 1  # rng stream of the held-out set (training streams use step >= 0)
+_SPACE_STREAM, _SPACE_SAMPLE = 2**31 - 2, 4000  # the sample that sizes the question space
 _INSTRUCTIONS = ("Answer the question with one SQLite query. You may explore first: put one query inside "
                  "<sql>...</sql> and its result comes back inside <observation>...</observation>. Put the final "
                  "query inside <solution>...</solution>.")
@@ -115,7 +116,7 @@ _SHOP_TEMPLATES = [
                         f"What is the total quantity ordered by customers who live in {c}?",
                         "SELECT SUM(orders.quantity) FROM orders JOIN customers ON customers.id = orders.customer_id "
                         f"WHERE customers.city = '{c}'")[1:]),
-    (4, lambda rng: (k := int(rng.integers(2, 6)),
+    (4, lambda rng: (k := int(rng.integers(2, 9)),
                         f"What are the names of the {k} most expensive products, most expensive first?",
                         f"SELECT name FROM products ORDER BY price DESC LIMIT {k}")[1:]),
     (4, lambda rng: (n := int(rng.integers(2, 6)),
@@ -166,7 +167,7 @@ _SCHOOL_TEMPLATES = [
                         f"What is the highest score in {t}?",
                         "SELECT MAX(enrollments.score) FROM enrollments JOIN courses ON courses.id = "
                         f"enrollments.course_id WHERE courses.title = '{t}'")[1:]),
-    (4, lambda rng: (k := int(rng.integers(2, 6)),
+    (4, lambda rng: (k := int(rng.integers(2, 9)),
                         f"What are the titles of the first {k} courses in alphabetical order?",
                         f"SELECT title FROM courses ORDER BY title LIMIT {k}")[1:]),
     (4, lambda rng: (n := int(rng.integers(8, 14)),
@@ -223,7 +224,7 @@ _FLIGHTS_TEMPLATES = [
                         f"WHERE airports.city = '{c}'")[1:]),
     (3, lambda rng: ("For each origin airport, how many flights leave from it? Give the code and the count.",
                         "SELECT origin, COUNT(*) FROM flights GROUP BY origin")),
-    (4, lambda rng: (k := int(rng.integers(2, 6)),
+    (4, lambda rng: (k := int(rng.integers(2, 9)),
                         f"What are the ids of the {k} shortest flights, shortest first?",
                         f"SELECT id FROM flights ORDER BY distance LIMIT {k}")[1:]),
     (4, lambda rng: (n := int(rng.integers(10, 16)),
@@ -278,7 +279,8 @@ class SqlTask(GeneratedTask):
       families: the schema families drawn from, uniformly per question (of "shop", "school", "flights").
       levels: the difficulty levels drawn from, uniformly per question: 1 filters, 2 aggregates, 3 joins /
         group by, 4 having / order by + limit.
-      num_databases: random databases per family; a question's database is drawn uniformly.
+      num_databases: random databases per family; a question's database is drawn uniformly (more databases:
+        more distinct questions, the same question with other answers).
       cache_dir: where the database files are written once and reused.
       seed: the seed of the held-out set and of every training batch.
       num_eval: held-out questions; training never draws their prompts.
@@ -288,7 +290,7 @@ class SqlTask(GeneratedTask):
     """
     families: tuple[str, ...] = ("shop", "school", "flights")
     levels: tuple[int, ...] = LEVELS
-    num_databases: int = 2
+    num_databases: int = 4
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
     num_eval: int = 100
@@ -309,10 +311,13 @@ class SqlTask(GeneratedTask):
         self._databases = {(f, i): database_path(self.cache_dir, f, i)
                            for f in self.families for i in range(self.num_databases)}
         self._templates = [(f, level, fn) for f in self.families for level, fn in FAMILIES[f][2] if level in self.levels]
-        distinct = len(self._templates) * self.num_databases
-        if self.num_eval > 20 * distinct:  # templates have ~10-40 value choices; keep well inside the space
-            raise ConfigError(f"num_eval={self.num_eval} is too large for {distinct} (template, database) pairs; "
-                              f"lower num_eval or add families / levels / num_databases")
+        # The question space is small for narrow settings (one family, one level): a held-out set that covered it
+        # would leave training nothing to draw. Count the distinct prompts of a sample (a lower bound of the space).
+        sample = np.random.default_rng([self.seed, _SPACE_STREAM])
+        distinct = len({self._problem(sample).prompt for _ in range(_SPACE_SAMPLE)})
+        if self.num_eval > distinct // 4:
+            raise ConfigError(f"num_eval={self.num_eval} is more than a quarter of the {distinct} distinct questions "
+                              f"these families / levels / num_databases give; lower num_eval or widen them")
         self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:
