@@ -15,7 +15,7 @@ from portable_rl.environments.sql import SqlEnvironment
 from portable_rl.errors import ConfigError
 from portable_rl.tasks.base import Example
 from portable_rl.tasks.sql_data import (FAMILIES, GENERATOR_VERSION, SqlDataError, SqlTask, SqlTraceTask,
-                                        SkyrlSqlTask, database_path, read_skyrl_sql, tool_trace)
+                                        SkyrlSqlTask, database_path, read_skyrl_sql, render, tool_trace)
 
 TIMEOUT_S = 1.0
 
@@ -144,8 +144,10 @@ def test_a_missing_closing_tag_at_the_end_of_a_turn_is_accepted(db):
 @pytest.mark.parametrize("gold, answer, reward", [
     ("SELECT name FROM t WHERE city = 'Oslo'", "SELECT name FROM t WHERE id % 3 = 0", 1.0),       # other SQL, same rows
     ("SELECT name FROM t WHERE city = 'Oslo'", "SELECT name FROM t WHERE city = 'Oslo' ORDER BY id DESC", 1.0),
-    ("SELECT name FROM t WHERE city = 'Oslo' ORDER BY id", "SELECT name FROM t WHERE city = 'Oslo' ORDER BY id DESC", 0.0),
-    ("SELECT name FROM t WHERE city = 'Oslo' ORDER BY id", "SELECT name FROM t WHERE city = 'Oslo' ORDER BY score", 1.0),
+    ("SELECT name FROM t WHERE city = 'Oslo' ORDER BY id",
+     "SELECT name FROM t WHERE city = 'Oslo' ORDER BY id DESC", 0.0),
+    ("SELECT name FROM t WHERE city = 'Oslo' ORDER BY id",
+     "SELECT name FROM t WHERE city = 'Oslo' ORDER BY score", 1.0),
     ("SELECT tag FROM u", "SELECT DISTINCT tag FROM u", 0.0),                                      # multisets
     ("SELECT AVG(score) FROM t", "SELECT SUM(score) / COUNT(*) FROM t", 1.0),                      # float rounding
     ("SELECT name, city FROM t", "SELECT city, name FROM t", 0.0),                                 # column order counts
@@ -158,7 +160,8 @@ def test_reward_is_result_set_equality(db, gold, answer, reward):
 
 
 def test_a_result_larger_than_max_result_rows_never_matches(db):
-    assert _env(db, gold="SELECT id FROM t", max_result_rows=50).step("<solution>SELECT id FROM t</solution>").reward == 0
+    env = _env(db, gold="SELECT id FROM t", max_result_rows=50)
+    assert env.step("<solution>SELECT id FROM t</solution>").reward == 0
 
 
 def test_steps_may_run_on_pool_threads_other_than_the_reset_thread(db):
@@ -179,7 +182,8 @@ def test_registry_and_bad_config(db, tmp_path):
     with pytest.raises(ConfigError, match="db_path"):
         SqlEnvironment().reset(Example(prompt="q", answer="SELECT 1"))
     with pytest.raises(ConfigError, match="does not exist"):
-        SqlEnvironment().reset(Example(prompt="q", answer="SELECT 1", metadata={"db_path": str(tmp_path / "no.sqlite")}))
+        SqlEnvironment().reset(Example(prompt="q", answer="SELECT 1",
+                                       metadata={"db_path": str(tmp_path / "no.sqlite")}))
     assert not (tmp_path / "no.sqlite").exists()  # opening read-only never creates the file
 
 
@@ -210,20 +214,22 @@ def test_database_files_are_written_once_and_depend_only_on_family_instance_vers
 
 
 def test_every_template_gold_query_runs_on_every_database_and_levels_are_graded(task):
-    for family, (_, _, templates) in FAMILIES.items():
-        assert sorted({level for level, _ in templates}) == [1, 2, 3, 4]
+    for family_name, family in FAMILIES.items():
+        assert sorted({t.level for t in family.templates}) == [1, 2, 3, 4]
         for instance in range(task.num_databases):
             env = SqlEnvironment()
-            for level, template in templates:
+            for template in family.templates:
                 for draw in range(5):
-                    question, gold = template(np.random.default_rng(draw))
+                    question, gold = render(family, template, np.random.default_rng(draw))
+                    assert "{" not in question + gold
                     env.reset(Example(prompt=question, answer=gold,
-                                      metadata={"db_path": database_path(task.cache_dir, family, instance)}))
+                                      metadata={"db_path": database_path(task.cache_dir, family_name, instance)}))
                     assert env.step(f"<solution>{gold}</solution>").reward == 1.0, gold
             env.close()
     easy = SqlTask(cache_dir=task.cache_dir, levels=(1,), families=("flights",), num_eval=10)
     batch = easy.train_batch(0, 0, 20)
-    assert {e.metadata["level"] for e in batch} == {1} and all(e.metadata["db_id"].startswith("flights_") for e in batch)
+    assert {e.metadata["level"] for e in batch} == {1}
+    assert all(e.metadata["db_id"].startswith("flights_") for e in batch)
     assert all("JOIN" not in e.answer for e in batch)
 
 
@@ -262,13 +268,15 @@ def _skyrl_rows(db_ids, newfmt=True):
     for db_id in db_ids:
         row = {"data_source": "synsql",
                "prompt": [{"role": "system", "content": system},
-                          {"role": "user", "content": f"{{db_details}}:CREATE TABLE t (...); {{question}}: names in Oslo?"}],
+                          {"role": "user",
+                           "content": "{db_details}:CREATE TABLE t (...); {question}: names in Oslo?"}],
                "db_id": db_id, "data": "synsql"}
         gold = {"ground_truth": "SELECT name FROM t WHERE city = 'Oslo'"}
         if newfmt:
             row.update(env_class="text2sql", reward_spec={"method": "rule", **gold})
         else:
-            row.update(ability="synsql", reward_model={"style": "rule", **gold}, extra_info={"split": "train", "index": 0})
+            row.update(ability="synsql", reward_model={"style": "rule", **gold},
+                       extra_info={"split": "train", "index": 0})
         rows.append(row)
     return rows
 

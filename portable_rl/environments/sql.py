@@ -85,10 +85,11 @@ class ReadOnlyDatabase:
         self.path, self.timeout_s, self.max_query_chars = path, timeout_s, max_query_chars
         self.max_result_bytes = max_result_bytes
         uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
-        # The driver runs steps on a thread pool: one trajectory's steps may land on different threads (never two at once).
+        # The driver steps on a thread pool: a trajectory's steps may land on different threads (never two at once).
         self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA query_only=ON")
-        self._conn.text_factory = lambda raw: raw.decode("utf-8", "replace")  # a non-UTF-8 TEXT value is data, not a crash
+        # A TEXT value that is not UTF-8 is data to show, not a crash.
+        self._conn.text_factory = lambda raw: raw.decode("utf-8", "replace")
         self._conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         self._conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
         self._conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 4 * max_query_chars)  # UTF-8 is at most 4 bytes a char

@@ -28,9 +28,10 @@ import collections
 import dataclasses
 import os
 import sqlite3
+import string
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -66,13 +67,31 @@ def _pick(rng: np.random.Generator, values):
     return values[int(rng.integers(len(values)))]
 
 
-# ---- schema families: (schema DDL, fill(rng) -> {table: rows}, question templates) ----------------------------
-# A template is (level, fn(rng) -> (question, gold SQL)); its values come from the vocabularies the fill draws from.
+# ---- schema families ----------------------------------------------------------------------------------------
+# A family: its DDL, fill(rng) -> {table: rows}, samplers of the values its questions name (drawn from the same
+# vocabularies as the fill, so they occur in the data), and its templates.
 
-_SHOP_SCHEMA = """CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT, age INTEGER);
-CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL);
-CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id),
-  product_id INTEGER REFERENCES products(id), quantity INTEGER, order_date TEXT);"""
+
+class Template(NamedTuple):
+    level: int      # 1 filters, 2 aggregates, 3 joins / group by, 4 having / order by + limit
+    question: str   # str.format fields name the family's value samplers; each is drawn once per question
+    sql: str        # the gold query, with the same fields
+
+
+class Family(NamedTuple):
+    schema: str
+    fill: Callable[[np.random.Generator], dict[str, list[tuple]]]
+    values: dict[str, Callable[[np.random.Generator], object]]
+    templates: list[Template]
+
+
+def render(family: Family, template: Template, rng: np.random.Generator) -> tuple[str, str]:
+    """(question, gold SQL) with the template's fields drawn in the order the question names them."""
+    fields = dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template.question) if name)
+    values = {name: family.values[name](rng) for name in fields}
+    return template.question.format(**values), template.sql.format(**values)
+
+
 _CATEGORIES = ["books", "garden", "games", "kitchen", "music", "sports", "toys"]
 _PRODUCT_WORDS = ["Alpha", "Bolt", "Cosmo", "Delta", "Echo", "Flux", "Giga", "Halo", "Ion", "Jet", "Koi", "Luna",
                   "Mesa", "Nova", "Orbit", "Pixel", "Quartz", "Rune", "Sol", "Terra", "Ultra", "Vibe", "Wave", "Zen"]
@@ -89,45 +108,39 @@ def _fill_shop(rng):
     return {"customers": customers, "products": products, "orders": orders}
 
 
-_SHOP_TEMPLATES = [
-    (1, lambda rng: (c := _pick(rng, _CITIES),
-                        f"How many customers live in {c}?",
-                        f"SELECT COUNT(*) FROM customers WHERE city = '{c}'")[1:]),
-    (1, lambda rng: (c := _pick(rng, _CATEGORIES),
-                        f"List the names of the products in the {c} category.",
-                        f"SELECT name FROM products WHERE category = '{c}'")[1:]),
-    (1, lambda rng: (a := int(rng.integers(25, 70)),
-                        f"What are the names of the customers older than {a}?",
-                        f"SELECT name FROM customers WHERE age > {a}")[1:]),
-    (2, lambda rng: (c := _pick(rng, _CATEGORIES),
-                        f"What is the average price of the products in the {c} category?",
-                        f"SELECT AVG(price) FROM products WHERE category = '{c}'")[1:]),
-    (2, lambda rng: (c := _pick(rng, _CITIES),
-                        f"What is the age of the oldest customer in {c}?",
-                        f"SELECT MAX(age) FROM customers WHERE city = '{c}'")[1:]),
-    (3, lambda rng: (c := _pick(rng, _CATEGORIES),
-                        f"List the distinct names of the customers who ordered a product in the {c} category.",
-                        "SELECT DISTINCT customers.name FROM customers JOIN orders ON orders.customer_id = "
-                        "customers.id JOIN products ON products.id = orders.product_id "
-                        f"WHERE products.category = '{c}'")[1:]),
-    (3, lambda rng: ("For each category, how many products does it have? Give the category and the count.",
-                        "SELECT category, COUNT(*) FROM products GROUP BY category")),
-    (3, lambda rng: (c := _pick(rng, _CITIES),
-                        f"What is the total quantity ordered by customers who live in {c}?",
-                        "SELECT SUM(orders.quantity) FROM orders JOIN customers ON customers.id = orders.customer_id "
-                        f"WHERE customers.city = '{c}'")[1:]),
-    (4, lambda rng: (k := int(rng.integers(2, 9)),
-                        f"What are the names of the {k} most expensive products, most expensive first?",
-                        f"SELECT name FROM products ORDER BY price DESC LIMIT {k}")[1:]),
-    (4, lambda rng: (n := int(rng.integers(2, 6)),
-                        f"Which cities have more than {n} customers?",
-                        f"SELECT city FROM customers GROUP BY city HAVING COUNT(*) > {n}")[1:]),
-]
+_SHOP = Family(
+    schema="""CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT, age INTEGER);
+CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price REAL);
+CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id),
+  product_id INTEGER REFERENCES products(id), quantity INTEGER, order_date TEXT);""",
+    fill=_fill_shop,
+    values={"city": lambda rng: _pick(rng, _CITIES), "category": lambda rng: _pick(rng, _CATEGORIES),
+            "age": lambda rng: int(rng.integers(25, 70)), "k": lambda rng: int(rng.integers(2, 9)),
+            "n": lambda rng: int(rng.integers(2, 6))},
+    templates=[
+        Template(1, "How many customers live in {city}?", "SELECT COUNT(*) FROM customers WHERE city = '{city}'"),
+        Template(1, "List the names of the products in the {category} category.",
+                 "SELECT name FROM products WHERE category = '{category}'"),
+        Template(1, "What are the names of the customers older than {age}?",
+                 "SELECT name FROM customers WHERE age > {age}"),
+        Template(2, "What is the average price of the products in the {category} category?",
+                 "SELECT AVG(price) FROM products WHERE category = '{category}'"),
+        Template(2, "What is the age of the oldest customer in {city}?",
+                 "SELECT MAX(age) FROM customers WHERE city = '{city}'"),
+        Template(3, "List the distinct names of the customers who ordered a product in the {category} category.",
+                 "SELECT DISTINCT customers.name FROM customers JOIN orders ON orders.customer_id = customers.id "
+                 "JOIN products ON products.id = orders.product_id WHERE products.category = '{category}'"),
+        Template(3, "For each category, how many products does it have? Give the category and the count.",
+                 "SELECT category, COUNT(*) FROM products GROUP BY category"),
+        Template(3, "What is the total quantity ordered by customers who live in {city}?",
+                 "SELECT SUM(orders.quantity) FROM orders JOIN customers ON customers.id = orders.customer_id "
+                 "WHERE customers.city = '{city}'"),
+        Template(4, "What are the names of the {k} most expensive products, most expensive first?",
+                 "SELECT name FROM products ORDER BY price DESC LIMIT {k}"),
+        Template(4, "Which cities have more than {n} customers?",
+                 "SELECT city FROM customers GROUP BY city HAVING COUNT(*) > {n}"),
+    ])
 
-_SCHOOL_SCHEMA = """CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT, year INTEGER, city TEXT);
-CREATE TABLE courses (id INTEGER PRIMARY KEY, title TEXT, department TEXT, credits INTEGER);
-CREATE TABLE enrollments (id INTEGER PRIMARY KEY, student_id INTEGER REFERENCES students(id),
-  course_id INTEGER REFERENCES courses(id), score INTEGER);"""
 _DEPARTMENTS = ["art", "biology", "chemistry", "history", "math", "physics"]
 _TOPICS = ["Algebra", "Botany", "Ceramics", "Dynamics", "Ecology", "Frescoes", "Genetics", "Harmony", "Optics",
            "Painting", "Quanta", "Reactions", "Statistics", "Topology", "Wars", "Empires"]
@@ -135,51 +148,47 @@ _TOPICS = ["Algebra", "Botany", "Ceramics", "Dynamics", "Ecology", "Frescoes", "
 
 def _fill_school(rng):
     n_stu, n_crs, n_enr = 45, len(_TOPICS), 180
-    students = [(i + 1, name, int(rng.integers(1, 5)), _pick(rng, _CITIES)) for i, name in enumerate(_names(rng, n_stu))]
+    students = [(i + 1, name, int(rng.integers(1, 5)), _pick(rng, _CITIES))
+                for i, name in enumerate(_names(rng, n_stu))]
     courses = [(i + 1, _TOPICS[i], _pick(rng, _DEPARTMENTS), int(rng.integers(1, 6))) for i in range(n_crs)]
     enrollments = [(i + 1, int(rng.integers(1, n_stu + 1)), int(rng.integers(1, n_crs + 1)), int(rng.integers(40, 101)))
                    for i in range(n_enr)]
     return {"students": students, "courses": courses, "enrollments": enrollments}
 
 
-_SCHOOL_TEMPLATES = [
-    (1, lambda rng: (y := int(rng.integers(1, 5)),
-                        f"How many students are in year {y}?",
-                        f"SELECT COUNT(*) FROM students WHERE year = {y}")[1:]),
-    (1, lambda rng: (dep := _pick(rng, _DEPARTMENTS),
-                        f"List the titles of the courses of the {dep} department.",
-                        f"SELECT title FROM courses WHERE department = '{dep}'")[1:]),
-    (1, lambda rng: (c := _pick(rng, _CITIES),
-                        f"What are the names of the students from {c}?",
-                        f"SELECT name FROM students WHERE city = '{c}'")[1:]),
-    (2, lambda rng: (dep := _pick(rng, _DEPARTMENTS),
-                        f"How many credits do the courses of the {dep} department give in total?",
-                        f"SELECT SUM(credits) FROM courses WHERE department = '{dep}'")[1:]),
-    (2, lambda rng: ("What is the average score over all enrollments?", "SELECT AVG(score) FROM enrollments")),
-    (3, lambda rng: (t := _pick(rng, _TOPICS),
-                        f"List the distinct names of the students enrolled in {t}.",
-                        "SELECT DISTINCT students.name FROM students JOIN enrollments ON enrollments.student_id = "
-                        "students.id JOIN courses ON courses.id = enrollments.course_id "
-                        f"WHERE courses.title = '{t}'")[1:]),
-    (3, lambda rng: ("For each year, how many students are in it? Give the year and the count.",
-                        "SELECT year, COUNT(*) FROM students GROUP BY year")),
-    (3, lambda rng: (t := _pick(rng, _TOPICS),
-                        f"What is the highest score in {t}?",
-                        "SELECT MAX(enrollments.score) FROM enrollments JOIN courses ON courses.id = "
-                        f"enrollments.course_id WHERE courses.title = '{t}'")[1:]),
-    (4, lambda rng: (k := int(rng.integers(2, 9)),
-                        f"What are the titles of the first {k} courses in alphabetical order?",
-                        f"SELECT title FROM courses ORDER BY title LIMIT {k}")[1:]),
-    (4, lambda rng: (n := int(rng.integers(8, 14)),
-                        f"Which course titles have more than {n} enrollments?",
-                        "SELECT courses.title FROM courses JOIN enrollments ON enrollments.course_id = courses.id "
-                        f"GROUP BY courses.id HAVING COUNT(*) > {n}")[1:]),
-]
+_SCHOOL = Family(
+    schema="""CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT, year INTEGER, city TEXT);
+CREATE TABLE courses (id INTEGER PRIMARY KEY, title TEXT, department TEXT, credits INTEGER);
+CREATE TABLE enrollments (id INTEGER PRIMARY KEY, student_id INTEGER REFERENCES students(id),
+  course_id INTEGER REFERENCES courses(id), score INTEGER);""",
+    fill=_fill_school,
+    values={"year": lambda rng: int(rng.integers(1, 5)), "department": lambda rng: _pick(rng, _DEPARTMENTS),
+            "city": lambda rng: _pick(rng, _CITIES), "course": lambda rng: _pick(rng, _TOPICS),
+            "k": lambda rng: int(rng.integers(2, 9)), "n": lambda rng: int(rng.integers(8, 14))},
+    templates=[
+        Template(1, "How many students are in year {year}?", "SELECT COUNT(*) FROM students WHERE year = {year}"),
+        Template(1, "List the titles of the courses of the {department} department.",
+                 "SELECT title FROM courses WHERE department = '{department}'"),
+        Template(1, "What are the names of the students from {city}?",
+                 "SELECT name FROM students WHERE city = '{city}'"),
+        Template(2, "How many credits do the courses of the {department} department give in total?",
+                 "SELECT SUM(credits) FROM courses WHERE department = '{department}'"),
+        Template(2, "What is the average score over all enrollments?", "SELECT AVG(score) FROM enrollments"),
+        Template(3, "List the distinct names of the students enrolled in {course}.",
+                 "SELECT DISTINCT students.name FROM students JOIN enrollments ON enrollments.student_id = students.id "
+                 "JOIN courses ON courses.id = enrollments.course_id WHERE courses.title = '{course}'"),
+        Template(3, "For each year, how many students are in it? Give the year and the count.",
+                 "SELECT year, COUNT(*) FROM students GROUP BY year"),
+        Template(3, "What is the highest score in {course}?",
+                 "SELECT MAX(enrollments.score) FROM enrollments JOIN courses ON courses.id = enrollments.course_id "
+                 "WHERE courses.title = '{course}'"),
+        Template(4, "What are the titles of the first {k} courses in alphabetical order?",
+                 "SELECT title FROM courses ORDER BY title LIMIT {k}"),
+        Template(4, "Which course titles have more than {n} enrollments?",
+                 "SELECT courses.title FROM courses JOIN enrollments ON enrollments.course_id = courses.id "
+                 "GROUP BY courses.id HAVING COUNT(*) > {n}"),
+    ])
 
-_FLIGHTS_SCHEMA = """CREATE TABLE airports (code TEXT PRIMARY KEY, city TEXT, country TEXT);
-CREATE TABLE airlines (id INTEGER PRIMARY KEY, name TEXT, country TEXT);
-CREATE TABLE flights (id INTEGER PRIMARY KEY, airline_id INTEGER REFERENCES airlines(id),
-  origin TEXT REFERENCES airports(code), destination TEXT REFERENCES airports(code), distance INTEGER, price REAL);"""
 _AIRPORTS = [("AUS", "Austin", "USA"), ("BER", "Berlin", "Germany"), ("CAI", "Cairo", "Egypt"),
              ("DEL", "Delhi", "India"), ("LIM", "Lima", "Peru"), ("MAD", "Madrid", "Spain"), ("OSL", "Oslo", "Norway"),
              ("CDG", "Paris", "France"), ("FCO", "Rome", "Italy"), ("ICN", "Seoul", "Korea"), ("HND", "Tokyo", "Japan")]
@@ -198,46 +207,43 @@ def _fill_flights(rng):
     return {"airports": list(_AIRPORTS), "airlines": [(i + 1, *a) for i, a in enumerate(_AIRLINES)], "flights": flights}
 
 
-_FLIGHTS_TEMPLATES = [
-    (1, lambda rng: (a := _pick(rng, _AIRPORTS)[0],
-                        f"How many flights leave from the airport {a}?",
-                        f"SELECT COUNT(*) FROM flights WHERE origin = '{a}'")[1:]),
-    (1, lambda rng: (km := int(rng.integers(2000, 10000)),
-                        f"What are the ids of the flights longer than {km} km?",
-                        f"SELECT id FROM flights WHERE distance > {km}")[1:]),
-    (1, lambda rng: (c := _pick(rng, _AIRLINES)[1],
-                        f"List the names of the airlines based in {c}.",
-                        f"SELECT name FROM airlines WHERE country = '{c}'")[1:]),
-    (2, lambda rng: (a := _pick(rng, _AIRPORTS)[0],
-                        f"What is the average price of the flights to {a}?",
-                        f"SELECT AVG(price) FROM flights WHERE destination = '{a}'")[1:]),
-    (2, lambda rng: (a := _pick(rng, _AIRPORTS)[0],
-                        f"What is the longest distance flown by a flight from {a}?",
-                        f"SELECT MAX(distance) FROM flights WHERE origin = '{a}'")[1:]),
-    (3, lambda rng: (n := _pick(rng, _AIRLINES)[0],
-                        f"How many flights does {n} operate?",
-                        "SELECT COUNT(*) FROM flights JOIN airlines ON airlines.id = flights.airline_id "
-                        f"WHERE airlines.name = '{n}'")[1:]),
-    (3, lambda rng: (c := _pick(rng, _AIRPORTS)[1],
-                        f"What are the ids of the flights that arrive in the city of {c}?",
-                        "SELECT flights.id FROM flights JOIN airports ON airports.code = flights.destination "
-                        f"WHERE airports.city = '{c}'")[1:]),
-    (3, lambda rng: ("For each origin airport, how many flights leave from it? Give the code and the count.",
-                        "SELECT origin, COUNT(*) FROM flights GROUP BY origin")),
-    (4, lambda rng: (k := int(rng.integers(2, 9)),
-                        f"What are the ids of the {k} shortest flights, shortest first?",
-                        f"SELECT id FROM flights ORDER BY distance LIMIT {k}")[1:]),
-    (4, lambda rng: (n := int(rng.integers(10, 16)),
-                        f"Which airline names operate more than {n} flights?",
-                        "SELECT airlines.name FROM airlines JOIN flights ON flights.airline_id = airlines.id "
-                        f"GROUP BY airlines.id HAVING COUNT(*) > {n}")[1:]),
-]
+_FLIGHTS = Family(
+    schema="""CREATE TABLE airports (code TEXT PRIMARY KEY, city TEXT, country TEXT);
+CREATE TABLE airlines (id INTEGER PRIMARY KEY, name TEXT, country TEXT);
+CREATE TABLE flights (id INTEGER PRIMARY KEY, airline_id INTEGER REFERENCES airlines(id),
+  origin TEXT REFERENCES airports(code), destination TEXT REFERENCES airports(code), distance INTEGER, price REAL);""",
+    fill=_fill_flights,
+    values={"airport": lambda rng: _pick(rng, _AIRPORTS)[0], "city": lambda rng: _pick(rng, _AIRPORTS)[1],
+            "country": lambda rng: _pick(rng, _AIRLINES)[1], "airline": lambda rng: _pick(rng, _AIRLINES)[0],
+            "km": lambda rng: int(rng.integers(2000, 10000)), "k": lambda rng: int(rng.integers(2, 9)),
+            "n": lambda rng: int(rng.integers(10, 16))},
+    templates=[
+        Template(1, "How many flights leave from the airport {airport}?",
+                 "SELECT COUNT(*) FROM flights WHERE origin = '{airport}'"),
+        Template(1, "What are the ids of the flights longer than {km} km?",
+                 "SELECT id FROM flights WHERE distance > {km}"),
+        Template(1, "List the names of the airlines based in {country}.",
+                 "SELECT name FROM airlines WHERE country = '{country}'"),
+        Template(2, "What is the average price of the flights to {airport}?",
+                 "SELECT AVG(price) FROM flights WHERE destination = '{airport}'"),
+        Template(2, "What is the longest distance flown by a flight from {airport}?",
+                 "SELECT MAX(distance) FROM flights WHERE origin = '{airport}'"),
+        Template(3, "How many flights does {airline} operate?",
+                 "SELECT COUNT(*) FROM flights JOIN airlines ON airlines.id = flights.airline_id "
+                 "WHERE airlines.name = '{airline}'"),
+        Template(3, "What are the ids of the flights that arrive in the city of {city}?",
+                 "SELECT flights.id FROM flights JOIN airports ON airports.code = flights.destination "
+                 "WHERE airports.city = '{city}'"),
+        Template(3, "For each origin airport, how many flights leave from it? Give the code and the count.",
+                 "SELECT origin, COUNT(*) FROM flights GROUP BY origin"),
+        Template(4, "What are the ids of the {k} shortest flights, shortest first?",
+                 "SELECT id FROM flights ORDER BY distance LIMIT {k}"),
+        Template(4, "Which airline names operate more than {n} flights?",
+                 "SELECT airlines.name FROM airlines JOIN flights ON flights.airline_id = airlines.id "
+                 "GROUP BY airlines.id HAVING COUNT(*) > {n}"),
+    ])
 
-FAMILIES: dict[str, tuple[str, Callable, list]] = {
-    "shop": (_SHOP_SCHEMA, _fill_shop, _SHOP_TEMPLATES),
-    "school": (_SCHOOL_SCHEMA, _fill_school, _SCHOOL_TEMPLATES),
-    "flights": (_FLIGHTS_SCHEMA, _fill_flights, _FLIGHTS_TEMPLATES),
-}
+FAMILIES: dict[str, Family] = {"shop": _SHOP, "school": _SCHOOL, "flights": _FLIGHTS}
 LEVELS = (1, 2, 3, 4)
 
 
@@ -249,18 +255,17 @@ def database_path(cache_dir: str, family: str, instance: int) -> str:
     if path.exists():
         return str(path)
     directory.mkdir(parents=True, exist_ok=True)
-    schema, fill, _ = FAMILIES[family]
-    rows = fill(np.random.default_rng([GENERATOR_VERSION, list(FAMILIES).index(family), instance]))
+    rows = FAMILIES[family].fill(np.random.default_rng([GENERATOR_VERSION, list(FAMILIES).index(family), instance]))
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".sqlite.tmp")
     os.close(fd)
     try:
         conn = sqlite3.connect(tmp)
-        conn.executescript(schema)
+        conn.executescript(FAMILIES[family].schema)
         for table, table_rows in rows.items():
             conn.executemany(f"INSERT INTO {table} VALUES ({', '.join('?' * len(table_rows[0]))})", table_rows)
         conn.commit()
         conn.close()
-        os.replace(tmp, path)  # atomic: a concurrent writer produces the same bytes, and a reader never sees half a file
+        os.replace(tmp, path)  # atomic: a reader never sees half a file; a concurrent writer wrote the same bytes
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -310,7 +315,7 @@ class SqlTask(GeneratedTask):
             raise ConfigError(f"num_databases={self.num_databases} must be >= 1")
         self._databases = {(f, i): database_path(self.cache_dir, f, i)
                            for f in self.families for i in range(self.num_databases)}
-        self._templates = [(f, level, fn) for f in self.families for level, fn in FAMILIES[f][2] if level in self.levels]
+        self._templates = [(f, t) for f in self.families for t in FAMILIES[f].templates if t.level in self.levels]
         # The question space is small for narrow settings (one family, one level): a held-out set that covered it
         # would leave training nothing to draw. Count the distinct prompts of a sample (a lower bound of the space).
         sample = np.random.default_rng([self.seed, _SPACE_STREAM])
@@ -321,18 +326,20 @@ class SqlTask(GeneratedTask):
         self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:
-        family, level, template = self._templates[int(rng.integers(len(self._templates)))]
+        family, template = self._templates[int(rng.integers(len(self._templates)))]
         instance = int(rng.integers(self.num_databases))
-        question, gold = template(rng)
+        question, gold = render(FAMILIES[family], template, rng)
         db_id = f"{family}_{instance}"
         # The db_id is part of the prompt so the same question on two databases is two distinct prompts.
-        return Example(prompt=generated_prompt(FAMILIES[family][0], f"{question} (database {db_id})"), answer=gold,
-                       metadata={"db_id": db_id, "db_path": self._databases[(family, instance)], "level": level})
+        return Example(prompt=generated_prompt(FAMILIES[family].schema, f"{question} (database {db_id})"), answer=gold,
+                       metadata={"db_id": db_id, "db_path": self._databases[(family, instance)],
+                                 "level": template.level})
 
 
 # ---- SkyRL-SQL-653 ------------------------------------------------------------------------------------------
 
-SKYRL_CORPUS_DIRS = {"synsql": "SynSQL-2.5M/databases", "spider": "spider/database", "bird": "bird/train/train_databases"}
+SKYRL_CORPUS_DIRS = {"synsql": "SynSQL-2.5M/databases", "spider": "spider/database",
+                     "bird": "bird/train/train_databases"}
 
 
 class SqlDataError(UserError, ValueError):
