@@ -159,6 +159,13 @@ def test_reward_is_result_set_equality(db, gold, answer, reward):
     assert step.done and step.reward == reward and step.observation is None
 
 
+@pytest.mark.parametrize("empty", ["", "   ", "-- nothing", ";"])
+def test_an_empty_statement_is_an_error_not_an_empty_result(db, empty):
+    env = _env(db, gold="SELECT name FROM t WHERE id < 0")  # the gold result is empty
+    assert "Error: the statement is empty" in env.step(f"<sql>{empty}</sql>").observation
+    assert env.step(f"<solution>{empty}</solution>").reward == 0.0
+
+
 def test_a_result_larger_than_max_result_rows_never_matches(db):
     env = _env(db, gold="SELECT id FROM t", max_result_rows=50)
     assert env.step("<solution>SELECT id FROM t</solution>").reward == 0
@@ -231,6 +238,16 @@ def test_every_template_gold_query_runs_on_every_database_and_levels_are_graded(
     assert {e.metadata["level"] for e in batch} == {1}
     assert all(e.metadata["db_id"].startswith("flights_") for e in batch)
     assert all("JOIN" not in e.answer for e in batch)
+
+
+def test_generated_questions_have_non_empty_answers(task):
+    from portable_rl.environments.sql import ReadOnlyDatabase
+
+    for example in task.train_batch(0, 0, 64) + task.eval_examples():
+        db = ReadOnlyDatabase(example.metadata["db_path"])
+        rows = db.execute(example.answer, 10_000).rows
+        db.close()
+        assert any(v is not None for row in rows for v in row), example.answer
 
 
 def test_generated_task_bad_config(task):

@@ -111,7 +111,9 @@ class ReadOnlyDatabase:
         cursor = self._conn.cursor()
         try:
             cursor.execute(sql)
-            columns = tuple(d[0] for d in cursor.description or ())
+            if cursor.description is None:  # an empty statement or a comment: no result to show or to score
+                return QueryResult(error="Error: the statement is empty or returns no result")
+            columns = tuple(d[0] for d in cursor.description)
             rows, size, complete = [], 0, True
             while chunk := cursor.fetchmany(min(_FETCH_CHUNK, max_rows + 1)):
                 rows += chunk
@@ -235,7 +237,6 @@ class SqlEnvironment(Environment):
         self._db = ReadOnlyDatabase(example.metadata["db_path"], timeout_s=self.query_timeout_s,
                                     max_query_chars=self.max_query_chars)
         self._gold_sql = example.answer
-        self._gold: QueryResult | None = None
         self._turn = 0
         return example.metadata.get("messages") or example.prompt
 
@@ -244,10 +245,9 @@ class SqlEnvironment(Environment):
         info: dict[str, Any] = {"turn": self._turn}
         solution = extract_tag("solution", action_text)
         if solution is not None:
-            if self._gold is None:
-                self._gold = self._db.execute(self._gold_sql, self.max_result_rows)
-            reward = execution_reward(solution, self._gold_sql, self._db, self.max_result_rows, gold=self._gold)
-            return Step(None, reward, True, {**info, "action": "solution", "gold_error": self._gold.error})
+            gold = self._db.execute(self._gold_sql, self.max_result_rows)
+            reward = execution_reward(solution, self._gold_sql, self._db, self.max_result_rows, gold=gold)
+            return Step(None, reward, True, {**info, "action": "solution", "gold_error": gold.error})
         if self._turn >= self.max_turns:
             return Step(None, 0.0, True, {**info, "action": "none", "format_error": True})
         query = extract_tag("sql", action_text)

@@ -9,7 +9,8 @@ filled with random rows from `np.random.default_rng([GENERATOR_VERSION, family, 
 Questions come from templates at graded difficulty, level 1 filters, 2 aggregates, 3 joins / group by,
 4 having / order by + limit, with values drawn from the data; (seed, step, draw) fixes a batch as in
 `GeneratedTask`, and the held-out prompts never appear in training. Columns a gold query orders by hold
-distinct values, so an ORDER BY answer has one right order.
+distinct values, so an ORDER BY answer has one right order; a question whose gold result is empty or all NULL is
+redrawn (any query returning nothing would match it).
 
 **SkyRL-SQL-653** (`read_skyrl_sql`, `SkyrlSqlTask`): parquet rows with `prompt` (chat messages: system
 instructions, then the schema and question as the user turn), `db_id`, `data` (which corpus: synsql, spider,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import sqlite3
 import string
@@ -35,7 +37,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from portable_rl.environments.sql import SqlEnvironment
+from portable_rl.environments.sql import ReadOnlyDatabase, SqlEnvironment
 from portable_rl.errors import ConfigError, UserError
 from portable_rl.tasks.base import Example, GeneratedTask
 
@@ -272,6 +274,18 @@ def database_path(cache_dir: str, family: str, instance: int) -> str:
     return str(path)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_answer(db_path: str, sql: str) -> bool:
+    """The query returns a row with a non-NULL value. A question whose gold result is empty (no product in that
+    category) is redrawn: any query that returns nothing would score 1 on it."""
+    db = ReadOnlyDatabase(db_path)
+    try:
+        result = db.execute(sql, max_rows=1)
+    finally:
+        db.close()
+    return result.error is None and any(v is not None for row in result.rows for v in row)
+
+
 def generated_prompt(schema: str, question: str) -> str:
     return f"Database schema (SQLite):\n{schema}\n\nQuestion: {question}\n\n{_INSTRUCTIONS}"
 
@@ -326,9 +340,12 @@ class SqlTask(GeneratedTask):
         self._init_held_out(self.seed, _EVAL_STREAM, self.num_eval)
 
     def _problem(self, rng: np.random.Generator) -> Example:
-        family, template = self._templates[int(rng.integers(len(self._templates)))]
-        instance = int(rng.integers(self.num_databases))
-        question, gold = render(FAMILIES[family], template, rng)
+        while True:
+            family, template = self._templates[int(rng.integers(len(self._templates)))]
+            instance = int(rng.integers(self.num_databases))
+            question, gold = render(FAMILIES[family], template, rng)
+            if _has_answer(self._databases[(family, instance)], gold):
+                break
         db_id = f"{family}_{instance}"
         # The db_id is part of the prompt so the same question on two databases is two distinct prompts.
         return Example(prompt=generated_prompt(FAMILIES[family].schema, f"{question} (database {db_id})"), answer=gold,
