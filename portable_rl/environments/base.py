@@ -32,10 +32,6 @@ class Environment(abc.ABC):    # one instance per trajectory, constructed as cls
 _ENVIRONMENTS: dict[str, type[Environment]] = {}
 
 
-class UnknownEnvironmentError(UnknownNameError):
-    """An environment name nobody registered."""
-
-
 def register_environment(name: str):
     def wrap(cls: type[Environment]) -> type[Environment]:
         if name in _ENVIRONMENTS:
@@ -47,8 +43,8 @@ def register_environment(name: str):
 
 def get_environment(name: str) -> type[Environment]:
     if name not in _ENVIRONMENTS:
-        raise UnknownEnvironmentError(f"unknown environment {name!r}; use one of "
-                                      f"{', '.join(available_environments())} (or register_environment a new one)")
+        raise UnknownNameError(f"unknown environment {name!r}; use one of "
+                               f"{', '.join(available_environments())} (or register_environment a new one)")
     return _ENVIRONMENTS[name]
 
 
