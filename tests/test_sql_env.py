@@ -179,6 +179,19 @@ def test_steps_may_run_on_pool_threads_other_than_the_reset_thread(db):
     env.close()
 
 
+def test_a_query_at_its_time_limit_does_not_hold_up_other_trajectories(db):
+    slow, fast = _env(db), _env(db, max_turns=100)
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(slow.step, f"<sql>{endless}</sql>")
+        start = time.monotonic()
+        for _ in range(50):
+            assert "\n40\n" in fast.step("<sql>SELECT COUNT(*) FROM u</sql>").observation
+        fast_s = time.monotonic() - start
+        assert "time limit" in stuck.result().observation
+    assert fast_s < 0.8 * TIMEOUT_S  # sqlite3 releases the GIL while a statement runs: no wait for the limit
+
+
 def test_registry_and_bad_config(db, tmp_path):
     assert get_environment("sql") is SqlEnvironment
     with pytest.raises((KeyError, ValueError), match="sqll"):  # whatever the registry's error, it names the name
