@@ -108,8 +108,8 @@ def test_observation_caps_rows_and_bytes_and_says_so(db):
     assert lines[1:7] == ["id", "0", "1", "2", "3", "4"]
     assert "(truncated: showing the first 5 of more than 5 rows)" in step.observation
     step = _env(db, max_observation_bytes=300).step("<sql>SELECT name, city, score FROM t</sql>")
-    body = step.observation.split("</observation>")[0]
-    assert len(body.encode()) < 400 and "truncated" in body
+    table, note = step.observation.removeprefix("<observation>\n").split("\n(truncated: ")
+    assert len(table.encode()) <= 300 and note.startswith("showing the first 10 of more than 50 rows)")
     step = _env(db).step("<sql>SELECT id FROM t WHERE id < 0</sql>")
     assert "(no rows)" in step.observation
 
@@ -126,8 +126,8 @@ def test_large_values_are_cut_in_observations_and_a_huge_result_never_matches(db
 def test_turn_protocol_reminders_and_format_errors(db):
     env = _env(db, max_turns=3)
     first = env.step("<think>look</think><sql>SELECT COUNT(*) FROM t</sql>")
-    assert first.observation == ("<observation>\nCOUNT(*)\n100\n</observation>\n"
-                                 "<reminder>You have 2 turns left to complete the task.</reminder>")
+    assert first.observation == ("<observation>\nCOUNT(*)\n100\n"
+                                 "<reminder>You have 2 turns left to complete the task.</reminder>\n</observation>")
     second = env.step("I am not sure.")
     assert "invalid" in second.observation and not second.done and second.info["action"] == "invalid"
     last = env.step("<sql>SELECT 1</sql>")  # the last turn without a solution is a format error

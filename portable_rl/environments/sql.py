@@ -3,7 +3,8 @@
 Turns (at most `max_turns`; the example's `metadata["db_path"]` names the database, `answer` is the gold SQL):
 - `<solution>S</solution>` ends the trajectory. Reward 1 when S's result set equals the gold query's, else 0.
 - `<sql>Q</sql>` runs Q on the database. Reward 0; the next turn is
-  `<observation>` + the result table or the error text + `</observation>` and a reminder of the turns left.
+  `<observation>` + the result table or the error text + a `<reminder>` of the turns left + `</observation>`
+  (SkyRL's layout, so a model trained there sees what it expects).
 - Neither tag: an observation saying the turn was invalid, reward 0.
 - The last allowed turn without a `<solution>` ends the trajectory with reward 0 (a format error).
   A closing tag may be missing at the very end of a turn: engines drop the stop string they stopped on.
@@ -261,7 +262,7 @@ class SqlEnvironment(Environment):
             info.update(action="sql", query_error=result.error is not None)
         left = self.max_turns - self._turn
         reminder = f"<reminder>You have {left} turn{'s' if left != 1 else ''} left to complete the task.</reminder>"
-        return Step(f"<observation>\n{body}\n</observation>\n{reminder}", 0.0, False, info)
+        return Step(f"<observation>\n{body}\n{reminder}\n</observation>", 0.0, False, info)
 
     def close(self) -> None:
         if self._db is not None:
