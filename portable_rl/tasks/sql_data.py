@@ -7,8 +7,8 @@ queries on `metadata["db_path"]` and scores the `<solution>` against `answer`.
 filled with random rows from `np.random.default_rng([GENERATOR_VERSION, family, instance])`, written once to
 `cache_dir/<family>_<instance>-v<GENERATOR_VERSION>.sqlite` (atomically; a later run reuses the file).
 Questions come from templates at graded difficulty, level 1 filters, 2 aggregates, 3 joins / group by,
-4 having / order by + limit, with values drawn from the data; (seed, step, draw) fixes a batch as in
-`GeneratedTask`, and the held-out prompts never appear in training. Columns a gold query orders by hold
+4 having / order by + limit, with values from the vocabularies the rows are drawn from; (seed, step, draw) fixes
+a batch as in `GeneratedTask`, and the held-out prompts never appear in training. Columns a gold query orders by hold
 distinct values, so an ORDER BY answer has one right order; a question whose gold result is empty or all NULL is
 redrawn (any query returning nothing would match it).
 
