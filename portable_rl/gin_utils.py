@@ -92,7 +92,8 @@ def register_library() -> None:
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.rl import config as rl_config, dapo
 
-    for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask):
+    for cls in (tasks.ArithmeticTask, tasks.MathDatasetTask, tasks.WordProblemsTask, tasks.SqlTask, tasks.SkyrlSqlTask,
+                tasks.SqlTraceTask):
         register_configurable(cls, module="tasks")
     register_configurable(registry.create_engine, name="create_engine", module="engines")
     register_configurable(tis.from_preset, name="from_preset", module="tis")
