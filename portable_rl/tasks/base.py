@@ -17,6 +17,7 @@ import numpy as np
 class Example:
     prompt: str   # text given to the policy, e.g. "37+48="
     answer: str   # ground truth the reward compares against, e.g. "85"
+    metadata: dict = dataclasses.field(default_factory=dict)  # task-specific fields an environment reads (e.g. the SQL task's db_id)
 
 
 class Task(Protocol):
