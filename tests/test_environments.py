@@ -346,5 +346,25 @@ def test_retokenizing_the_text_changes_tokens_the_driver_keeps(tmp_path):
     assert trajs[0].finish == "done" and trajs[0].reward == 1.0
     assert r.response_token_ids[:11] == char_ids("calc:37+48") + [codec.eos_id]  # exactly as sampled
     drift = retokenization_drift(codec.tokenizer, r.prompt_token_ids, r.response_token_ids)
-    print(f"re-tokenization drift: {drift} of {len(r.prompt_token_ids) + len(r.response_token_ids)} tokens")
+    print(f"re-tokenizing departs from the sampled ids for the last {drift} of {len(r.prompt_token_ids) + len(r.response_token_ids)} tokens")
     assert drift > 10  # tokens a re-tokenizing trainer would score instead of the sampled ones
+
+
+def test_observation_ids_continue_the_chat_template_exactly(tmp_path):
+    """prompt ids + the turn as sampled (ending in EOS) + the observation's ids = the template's rendering of
+    the whole conversation, tokenized: an observation is the template's user turn and the next turn's start."""
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<bos>{{ m.role }}: {{ m.content }}<eos> {% endfor %}"
+                               "{% if add_generation_prompt %}<bos>assistant: {% endif %}")
+    tokenizer.save_pretrained(tmp_path)
+    codec = TextCodec(tmp_path, chat_template=True, add_bos=False)
+    first = [{"role": "user", "content": "37+48="}]
+    turn = codec.tokenizer.encode("calc:37+48", add_special_tokens=False) + [codec.eos_id]
+    ids = codec.encode_messages(first) + turn + codec.encode_observation("=85", "tool")
+    whole = codec.tokenizer.apply_chat_template(
+        first + [{"role": "assistant", "content": "calc:37+48"}, {"role": "tool", "content": "=85"}],
+        add_generation_prompt=True, tokenize=False)
+    assert ids == codec.tokenizer.encode(whole, add_special_tokens=False)
+    assert codec.encode_observation("=85", "tool", after_eos=False)[0] == codec.eos_id
+    with pytest.raises(ConfigError, match="chat_template = True"):
+        TextCodec(tmp_path).encode_messages(first)
