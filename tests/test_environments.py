@@ -186,6 +186,12 @@ def test_finish_reasons_and_failing_environments_end_only_their_trajectory(codec
     assert trajs[1].finish == "env_timeout" and trajs[1].reward == 0.0 and "step_timeout_s" in trajs[1].info["error"]
     assert trajs[0].finish == "done" and trajs[0].num_turns == 2
 
+    one_worker = EnvironmentConfig(name="test_calculator", max_turns=2, step_timeout_s=0.2, workers=1)
+    trajs, _ = run_trajectories(ScriptedEngine(codec, calculator_policy), codec, EXAMPLES[:1],
+                                lambda: Calculator(slow_s=5.0), SAMPLING, one_worker)
+    assert [t.finish for t in trajs] == ["env_timeout"] * 2  # the second never got the worker the first holds
+    assert "never started" in trajs[1].info["error"]
+
     failing = EnvironmentConfig(name="test_calculator", max_turns=2)
     trajs, _ = run_trajectories(ScriptedEngine(codec, calculator_policy), codec, EXAMPLES[:1],
                                 lambda: Calculator(fail=True), SAMPLING, failing)
@@ -346,7 +352,8 @@ def test_retokenizing_the_text_changes_tokens_the_driver_keeps(tmp_path):
     assert trajs[0].finish == "done" and trajs[0].reward == 1.0
     assert r.response_token_ids[:11] == char_ids("calc:37+48") + [codec.eos_id]  # exactly as sampled
     drift = retokenization_drift(codec.tokenizer, r.prompt_token_ids, r.response_token_ids)
-    print(f"re-tokenizing departs from the sampled ids for the last {drift} of {len(r.prompt_token_ids) + len(r.response_token_ids)} tokens")
+    total = len(r.prompt_token_ids) + len(r.response_token_ids)
+    print(f"re-tokenizing departs from the sampled ids for the last {drift} of {total} tokens")
     assert drift > 10  # tokens a re-tokenizing trainer would score instead of the sampled ones
 
 

@@ -15,6 +15,7 @@ from flax import nnx  # noqa: E402
 from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import load_hf_model  # noqa: E402
 from portable_rl.engines import create_engine  # noqa: E402
+from portable_rl.environments import Environment, Step, register_environment  # noqa: E402
 from portable_rl.rl.codec import TextCodec  # noqa: E402
 from portable_rl.rl.config import EnvironmentConfig  # noqa: E402
 from portable_rl.rl.dapo import build_batch  # noqa: E402
@@ -64,3 +65,44 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
     total = sum(len(r.prompt_token_ids) + len(r.response_token_ids) for r in scored.rollouts)
     print(f"re-tokenizing the text departs from the sampled ids for the last {sum(drift)} of {total} tokens")
     assert sum(drift) > 0
+
+
+@register_environment("test_two_turns")
+class TwoTurns(Environment):
+    """Turn 0 gets the observation `ok`; turn 1 is scored by its length's parity (rewards that differ in a group)."""
+
+    def reset(self, example):
+        self.turns = 0
+        return example.prompt
+
+    def step(self, action_text):
+        self.turns += 1
+        if self.turns == 1:
+            return Step("ok", 0.0, False, {})
+        return Step(None, float(len(action_text) % 2), True, {})
+
+
+def test_training_steps_on_two_turn_trajectories_report_per_turn_mismatch(tmp_path):
+    """train() end to end on a real fp32 vLLM engine with a two-turn environment: the loop learns from the
+    trajectories and reports turns, finish reasons, environment time and tis/kl per turn."""
+    from portable_rl.learner_jax.optim import make_optimizer
+    from portable_rl.rl.config import DiagnosticsConfig, PrecisionConfig, RunConfig
+    from portable_rl.tasks import ArithmeticTask
+    from portable_rl.train import train
+
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", dtype="float32")
+    engine_factory = lambda model_path, **kwargs: create_engine(  # noqa: E731
+        "vllm", model_path=model_path, engine_init_kwargs=dict(dtype="float32"), **kwargs)
+    rows = train(run=RunConfig(run_dir=str(tmp_path / "run"), train_steps=2, model_path=ckpt, eval_every=0,
+                               checkpoint_every=2),
+                 engine_factory=engine_factory, optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
+                 task=ArithmeticTask(num_digits=1, num_eval=2, seed=0),
+                 algorithm=dapo_config(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
+                                       max_response_tokens=6, mini_batch_size=2),
+                 diagnostics=DiagnosticsConfig(disabled=("update_survival", "probe")),
+                 precision=PrecisionConfig(compute_dtype="float32"),
+                 environment=EnvironmentConfig(name="test_two_turns", max_turns=2))
+    for row in rows[1:]:
+        assert row["turns/mean"] == 2.0 and row["finish/done"] == 1.0 and row["time/env"] >= 0
+        assert {"tis/kl", "tis/kl/turn_0", "tis/kl/turn_1"} <= set(row) and "train/loss" in row
+        assert abs(row["tis/kl/turn_0"]) < 1e-2 and abs(row["tis/kl/turn_1"]) < 1e-2  # fp32 / bf16-pushed engine

@@ -106,8 +106,10 @@ class _Open:
         return Trajectory(rollout, float(self.reward), self.num_turns, self.finish, self.info)
 
 
-def _step_all(pool, envs, texts, timeout_s: float) -> list:
-    """`env.step(text)` for each pair, concurrently → per pair a Step, or ("env_timeout" | "env_error", message)."""
+def _step_all(pool, workers: int, abandoned: list, envs, texts, timeout_s: float) -> list:
+    """`env.step(text)` for each pair, concurrently → per pair a Step, or ("env_timeout" | "env_error", message).
+    `abandoned`: the futures of timed-out steps (of this call and earlier ones on `pool`), which may hold a worker
+    for good; once they hold all `workers`, the steps still waiting for one time out too."""
     started = [None] * len(envs)
 
     def run(i):
@@ -120,6 +122,7 @@ def _step_all(pool, envs, texts, timeout_s: float) -> list:
         concurrent.futures.wait([futures[i] for i in pending], timeout=0.02,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
         now = time.perf_counter()
+        stuck = sum(not f.done() for f in abandoned) >= workers  # no worker will ever be free again
         for i in sorted(pending):
             if futures[i].done():
                 pending.discard(i)
@@ -130,7 +133,12 @@ def _step_all(pool, envs, texts, timeout_s: float) -> list:
                     results[i] = ("env_error", f"{type(e).__name__}: {e}")
             elif started[i] is not None and now - started[i] > timeout_s:
                 pending.discard(i)
+                abandoned.append(futures[i])
                 results[i] = ("env_timeout", f"step took longer than step_timeout_s={timeout_s}")
+            elif started[i] is None and stuck:
+                pending.discard(i)
+                futures[i].cancel()
+                results[i] = ("env_timeout", "never started: timed-out steps hold every worker")
     return results
 
 
@@ -151,6 +159,7 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                                          "one example different prompts; reset must depend on the example only")
     trajs = [_Open(env, t // n, encoded[t // n]) for t, env in enumerate(envs)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="environment")
+    abandoned = []  # futures of timed-out steps (their threads cannot be stopped)
     try:
         for turn in range(config.max_turns):
             active = [t for t in trajs if t.finish is None]
@@ -172,7 +181,7 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                 else:
                     stepping.append(traj)
             start = time.perf_counter()
-            results = _step_all(pool, [t.env for t in stepping],
+            results = _step_all(pool, config.workers, abandoned, [t.env for t in stepping],
                                 [codec.decode_response(t.ids[len(t.ids) - len(t.last.response_token_ids):])
                                  for t in stepping], config.step_timeout_s)
             env_seconds += time.perf_counter() - start
