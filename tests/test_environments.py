@@ -179,16 +179,16 @@ def test_finish_reasons_and_failing_environments_end_only_their_trajectory(codec
 
     slow = EnvironmentConfig(name="test_calculator", max_turns=2, step_timeout_s=0.2)
     calls = iter(range(100))
-    envs = lambda: Calculator(slow_s=5.0 if next(calls) == 1 else 0.0)  # noqa: E731  (trajectory 1 hangs)
+    envs = lambda: Calculator(slow_s=3.0 if next(calls) == 1 else 0.0)  # noqa: E731  (trajectory 1 hangs)
     start = time.perf_counter()
     trajs, _ = run_trajectories(ScriptedEngine(codec, calculator_policy), codec, EXAMPLES[:1], envs, SAMPLING, slow)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 2.5  # not waiting out the hung step
     assert trajs[1].finish == "env_timeout" and trajs[1].reward == 0.0 and "step_timeout_s" in trajs[1].info["error"]
     assert trajs[0].finish == "done" and trajs[0].num_turns == 2
 
     one_worker = EnvironmentConfig(name="test_calculator", max_turns=2, step_timeout_s=0.2, workers=1)
     trajs, _ = run_trajectories(ScriptedEngine(codec, calculator_policy), codec, EXAMPLES[:1],
-                                lambda: Calculator(slow_s=5.0), SAMPLING, one_worker)
+                                lambda: Calculator(slow_s=3.0), SAMPLING, one_worker)
     assert [t.finish for t in trajs] == ["env_timeout"] * 2  # the second never got the worker the first holds
     assert "never started" in trajs[1].info["error"]
 
