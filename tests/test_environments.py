@@ -195,7 +195,8 @@ def test_finish_reasons_and_failing_environments_end_only_their_trajectory(codec
     failing = EnvironmentConfig(name="test_calculator", max_turns=2)
     trajs, _ = run_trajectories(ScriptedEngine(codec, calculator_policy), codec, EXAMPLES[:1],
                                 lambda: Calculator(fail=True), SAMPLING, failing)
-    assert [(t.finish, t.reward, t.info["error"]) for t in trajs] == [("env_error", 0.0, "RuntimeError: the tool crashed")] * 2
+    crashed = ("env_error", 0.0, "RuntimeError: the tool crashed")
+    assert [(t.finish, t.reward, t.info["error"]) for t in trajs] == [crashed] * 2
 
 
 def test_a_turn_cut_at_max_tokens_is_closed_by_the_observation(codec):

@@ -8,10 +8,10 @@ Per kept group (one prompt, n samples) with task rewards r and response lengths 
              =  shaped_i − mean                          advantage="drgrpo"
 
 then every token of response i gets A_i (`batching.pack_rollouts`). A multi-turn trajectory is one response:
-r_i is its summed reward, and A_i reaches only the tokens the engine sampled (response_mask 0 on observations). DAPO = dynamic sampling +
-clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation + overlong shaping; GRPO = none of the
-first two and seq-mean-token-mean (set `dynamic_sampling=False, clip_eps_high=0.2,
-loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
+r_i is its summed reward, and A_i reaches only the tokens the engine sampled (response_mask 0 on
+observations). DAPO = dynamic sampling + clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation +
+overlong shaping; GRPO = none of the first two and seq-mean-token-mean (set `dynamic_sampling=False,
+clip_eps_high=0.2, loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
 
 `DapoConfig` holds the five parts of rl/config.py (generation, data, shapes, loss, safety); each setting is
 read one way, through its part (`cfg.loss.clip_eps_high`), and gin binds it there

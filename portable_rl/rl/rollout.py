@@ -2,8 +2,9 @@
 
 For draw d = 0, 1, ... (at most `max_gen_batches`): take the task's prompts for (step, d), run n
 trajectories each in the configured environment (rl/turns.py; sampling seed hash(seed, step, d)), score
-them with their summed rewards, and keep the informative groups, until `prompt_batch_size` groups are kept. The data and the sampling seed depend only on
-(seed, step, draw), so a resumed run regenerates exactly what an uninterrupted one would.
+them with their summed rewards, and keep the informative groups, until `prompt_batch_size` groups are
+kept. The data and the sampling seed depend only on (seed, step, draw), so a resumed run regenerates
+exactly what an uninterrupted one would.
 
 Non-finite engine logprobs (NaN / ±inf: a broken kernel, an overflowing FP8 scale) are counted over every
 token generated this step, `rollout/nonfinite_logprobs` and `rollout/nonfinite_fraction`; packing drops

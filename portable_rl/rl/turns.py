@@ -54,7 +54,7 @@ class Trajectory:
     reward: float         # sum of its steps' rewards (0 after env_timeout / env_error)
     num_turns: int        # model turns
     finish: str           # one of FINISH_REASONS
-    info: dict            # the last step's info (env_timeout / env_error: {"error": ...})
+    info: dict            # the last step's info; env_timeout / env_error: {"error": ...}; + "close_error"
 
 
 def environment_factory(config, reward_fn: Callable[[str, str], float]) -> Callable[[], object]:
@@ -182,8 +182,8 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                     stepping.append(traj)
             start = time.perf_counter()
             results = _step_all(pool, config.workers, abandoned, [t.env for t in stepping],
-                                [codec.decode_response(t.ids[len(t.ids) - len(t.last.response_token_ids):])
-                                 for t in stepping], config.step_timeout_s)
+                                [codec.decode_response(t.last.response_token_ids) for t in stepping],
+                                config.step_timeout_s)
             env_seconds += time.perf_counter() - start
             for traj, result in zip(stepping, results):
                 if not isinstance(result, Step):
@@ -208,9 +208,8 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
         for traj in trajs:
             try:
                 traj.env.close()
-            except Exception:  # noqa: BLE001  (an abandoned step may still hold it)
-                if traj.finish != "env_timeout":
-                    raise
+            except Exception as e:  # noqa: BLE001  (e.g. an abandoned step still holds it; the trajectory is done)
+                traj.info = {**traj.info, "close_error": f"{type(e).__name__}: {e}"}
         env_seconds += time.perf_counter() - start
         pool.shutdown(wait=False, cancel_futures=True)
     return [traj.trajectory(sampling.return_support) for traj in trajs], env_seconds
