@@ -376,3 +376,20 @@ def test_observation_ids_continue_the_chat_template_exactly(tmp_path):
     assert codec.encode_observation("=85", "tool", after_eos=False)[0] == codec.eos_id
     with pytest.raises(ConfigError, match="chat_template = True"):
         TextCodec(tmp_path).encode_messages(first)
+
+
+def test_the_docs_calculator_runs_through_the_driver(codec):
+    """docs/environments.md's ~30-line environment, as printed there, on a two-turn trajectory."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    source = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(source.replace('"calculator"', '"docs_calculator"'), "environments.md", "exec"), namespace)
+
+    def policy(text, seed):
+        return ("<answer>85</answer>", True) if "<result>85</result>" in text else ("<calc>37+48</calc>", True)
+
+    trajs, _ = run_trajectories(ScriptedEngine(codec, policy), codec, EXAMPLES[:1], namespace["Calculator"],
+                                SamplingConfig(n=1, max_tokens=32), EnvironmentConfig(max_turns=4))
+    assert (trajs[0].finish, trajs[0].num_turns, trajs[0].reward) == ("done", 2, 1.0)
