@@ -83,8 +83,9 @@ class TwoTurns(Environment):
 
 
 def test_training_steps_on_two_turn_trajectories_report_per_turn_mismatch(tmp_path):
-    """train() end to end on a real fp32 vLLM engine with a two-turn environment: the loop learns from the
-    trajectories and reports turns, finish reasons, environment time and tis/kl per turn."""
+    """train() end to end on a real fp32 vLLM engine with a two-turn environment, async rollouts (step 2's
+    trajectories run in the prefetching thread): the loop learns from them and reports turns, finish reasons,
+    environment time and tis/kl per turn."""
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.config import DiagnosticsConfig, PrecisionConfig, RunConfig
     from portable_rl.tasks import ArithmeticTask
@@ -94,7 +95,7 @@ def test_training_steps_on_two_turn_trajectories_report_per_turn_mismatch(tmp_pa
     engine_factory = lambda model_path, **kwargs: create_engine(  # noqa: E731
         "vllm", model_path=model_path, engine_init_kwargs=dict(dtype="float32"), **kwargs)
     rows = train(run=RunConfig(run_dir=str(tmp_path / "run"), train_steps=2, model_path=ckpt, eval_every=0,
-                               checkpoint_every=2),
+                               checkpoint_every=2, async_rollouts=True),
                  engine_factory=engine_factory, optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
                  task=ArithmeticTask(num_digits=1, num_eval=2, seed=0),
                  algorithm=dapo_config(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
@@ -102,6 +103,7 @@ def test_training_steps_on_two_turn_trajectories_report_per_turn_mismatch(tmp_pa
                  diagnostics=DiagnosticsConfig(disabled=("update_survival", "probe")),
                  precision=PrecisionConfig(compute_dtype="float32"),
                  environment=EnvironmentConfig(name="test_two_turns", max_turns=2))
+    assert [row["step"] for row in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["turns/mean"] == 2.0 and row["finish/done"] == 1.0 and row["time/env"] >= 0
         assert {"tis/kl", "tis/kl/turn_0", "tis/kl/turn_1"} <= set(row) and "train/loss" in row
