@@ -104,7 +104,8 @@ def register_library() -> None:
         correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
         precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
         memory=register_configurable(MemoryConfig, module="learner"),
-        diagnostics=register_configurable(rl_config.DiagnosticsConfig, module="rl"))
+        diagnostics=register_configurable(rl_config.DiagnosticsConfig, module="rl"),
+        environment=register_configurable(rl_config.EnvironmentConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
 
     register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")

@@ -2,7 +2,8 @@
 
 One RL step (`rl_step`, docs/training.md "What one step does"):
 
-    rollouts      task prompts → the engine samples n responses per prompt with their logprobs → rewards →
+    rollouts      task prompts → n trajectories per prompt: the engine samples each turn with its logprobs, the
+                  environment answers it (one turn for single-turn tasks; rl/turns.py) → rewards →
                   dynamic sampling → overlong shaping → group advantages → the batch       (rl/roles.py, rl/dapo.py)
     old logprobs  the learner scores the batch (the first mini-batch's: its own update's forward)
     correction    rollout correction weights from old vs rollout logprobs                    (tis/)
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from portable_rl.learner_jax.memory import MemoryConfig
-from portable_rl.rl.config import PrecisionConfig, RunConfig
+from portable_rl.rl.config import EnvironmentConfig, PrecisionConfig, RunConfig
 from portable_rl.rl.dapo import DapoConfig
 from portable_rl.rl.config import DiagnosticsConfig
 from portable_rl.tis.config import RolloutCorrectionConfig
@@ -161,8 +162,8 @@ def rl_step(step: int, run: Run, side, diagnostics: list, timeshare, *, prefetch
 def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConfig = DapoConfig(),
           correction: RolloutCorrectionConfig = RolloutCorrectionConfig(), optimizer_factory: Optional[Callable] = None,
           precision: PrecisionConfig = PrecisionConfig(), memory: MemoryConfig = MemoryConfig(),
-          diagnostics: DiagnosticsConfig = DiagnosticsConfig(), mesh=None, memory_plan=None,
-          warmstart_fn: Optional[Callable] = None) -> list[dict]:
+          diagnostics: DiagnosticsConfig = DiagnosticsConfig(), environment: EnvironmentConfig = EnvironmentConfig(),
+          mesh=None, memory_plan=None, warmstart_fn: Optional[Callable] = None) -> list[dict]:
     """Runs (or resumes) DAPO/GRPO training; returns the metrics rows written by this call.
 
     Args:
@@ -175,6 +176,8 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
       precision: the learner's dtypes, the push's SmoothQuant, the learner's served view (`rl.PrecisionConfig`).
       memory: the learner's memory strategy; every setting computes the same update (`learner.MemoryConfig`).
       diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
+      environment: what each trajectory runs in and when it ends (`rl.EnvironmentConfig`); default: the task's
+        prompt, one turn, scored by its reward.
       mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
       memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin); None: XLA's and
         the engine's defaults, the engine always awake.
@@ -223,7 +226,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
             side = EngineSide(
                 engine=engine, serving=serving, writer=MetricsWriter(run.run_dir, resume_step=state.start_step or -1),
                 codec=codec, task=task, reward_fn=reward_fn, cfg=algorithm, seed=run.seed, held_out=held_out,
-                async_rollouts=run.async_rollouts, procs=procs,
+                async_rollouts=run.async_rollouts, procs=procs, environment=environment,
                 greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=run.eval_max_tokens or gen.max_response_tokens,
                                       stop_token_ids=(codec.eos_id,)))
         else:  # receives the driver's batches and joins every collective

@@ -109,10 +109,17 @@ class Rollout:
     prompt_token_ids: list[int]
     response_token_ids: list[int]
     response_logprobs: list[float]
-    finish_reason: str  # "stop" (EOS or a stop token, included in the response) | "length" (max_tokens hit)
+    finish_reason: str  # "stop" (EOS or a stop token, included in the response) | "length" (max_tokens hit);
+                        # of a multi-turn trajectory: its last turn's
     # Per response token, the ids of the support it was sampled from (`SamplingConfig.return_support`);
     # None: the whole vocabulary.
     sampling_support: list[list[int]] | None = None
+    # Set by the multi-turn driver (rl/turns.py), never by an engine: the response is then the whole trajectory
+    # after the prompt, the model's turns and the observations between them. Per response token, 1 where the
+    # engine sampled it, 0 where an environment inserted it (whose logprob is then 0); None: all sampled.
+    response_mask: list[int] | None = None
+    # Per response token, the turn it belongs to (an observation: the turn it answers); None: all turn 0.
+    turn_index: list[int] | None = None
 
     def __post_init__(self):
         if len(self.response_token_ids) != len(self.response_logprobs):
@@ -121,6 +128,10 @@ class Rollout:
         if self.sampling_support is not None and len(self.sampling_support) != len(self.response_token_ids):
             raise ValueError(f"{len(self.response_token_ids)} response tokens but a sampling support for "
                              f"{len(self.sampling_support)}")
+        for name in ("response_mask", "turn_index"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.response_token_ids):
+                raise ValueError(f"{len(self.response_token_ids)} response tokens but a {name} of {len(values)}")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 

@@ -1,11 +1,13 @@
 """The RL loop's pieces, one concept per file (gin-free; the entry points wire them).
 
 - `codec`: text <-> token ids for prompts and responses (an HF tokenizer directory).
-- `scoring`: encode → generate → decode → reward, shared by training and evaluation.
+- `turns`: the rollout driver: trajectories of turns between the engine and an environment, tokens in and out.
+- `scoring`: examples → environments → scored trajectories, shared by training and evaluation.
 - `rollout`: one step's draws of scored groups → dynamic sampling, with the rollout stats.
 - `async_rollout`: the same one step ahead, overlapping the learner (one-step off-policy).
 - `dynamic_sampling`: keep prompt groups whose rewards are not all equal (DAPO).
-- `config`: the loop's settings, one small config per concern (generation, data, shapes, loss, safety).
+- `config`: the loop's settings, one small config per concern (generation, data, shapes, loss, safety,
+  environment).
 - `dapo`: `DapoConfig` (the union of those configs, gin's names), advantages and the training batch.
 - `batching`: rollouts → `[B, T]` rows (packed or one per row) with a response mask; micro-batches.
 - `learner`: old logprobs, rollout correction, mini-batch updates (the learner side of a step).

@@ -8,12 +8,21 @@ sequence carries the logprob of its token t (given tokens < t), the convention o
     segment_ids[r_i, s_i + t]      = k_i  (1, 2, ... in the order placed in the row)    0 = padding
     positions[r_i, s_i + t]        = t    (restarts at 0 for every sequence)
     attention_mask                 = segment_ids > 0
-    response_mask[r_i, s_i + t]    = 1  for p_i <= t < len_i with a finite engine logprob, and t > 0
+    response_mask[r_i, s_i + t]    = 1  for p_i <= t < len_i with a finite engine logprob, sampled by the engine
+                                        (multi-turn: not an observation token), and t > 0
     rollout_logprobs[r_i, s_i + t] = engine logprob of that token where response_mask is 1, else 0
     advantages[r_i, s_i + t]       = A_i · response_mask
 
 plus the per-sequence index `seq_row`, `seq_start`, `seq_len`, `prompt_len` ([N] int32 numpy), from
-which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`). With truncated sampling
+which per-sequence views are rebuilt (`Layout.to_rows` / `Layout.to_view`). Multi-turn trajectories
+(`response_masks` given: per response token 1 = sampled by the engine, 0 = an environment's observation)
+interleave model and observation tokens in the response; observation tokens get response_mask 0, so no loss,
+TIS weight, KL or logprob, in every layout below (each moves the view's mask with its tokens). With
+`turn_indices` the view also carries
+
+    turn_index[i, t]               = the turn of response token t (0 off the response), [B, T] int32
+
+for per-turn metrics (rl/learner.py). With truncated sampling
 (`sampling_supports` given) also
 
     sampling_support[r_i, s_i + t, :] = the token ids of the support response token t was sampled from,
@@ -308,7 +317,8 @@ def _support_view(supports, prompt_ids, shape, width):
     return out
 
 
-def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id, min_len, row_multiple):
+def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id, min_len, row_multiple,
+                   response_masks=None, turn_indices=None):
     """The one-per-row arrays ([B, T], T a power of two) and the [N] lengths / prompt lengths."""
     n = len(prompt_ids)
     if not (n == len(response_ids) == len(response_logprobs) == len(advantages)):
@@ -319,6 +329,8 @@ def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_
     view = {k: np.zeros((b, t), _ROW_DTYPES[k]) for k in ("input_ids", "response_mask", "rollout_logprobs",
                                                            "advantages")}
     view["input_ids"][:] = pad_id
+    if turn_indices is not None:
+        view["turn_index"] = np.zeros((b, t), np.int32)
     for i, (p, r, lp, a) in enumerate(zip(prompt_ids, response_ids, response_logprobs, advantages)):
         if len(lp) != len(r):
             raise ValueError(f"row {i}: {len(r)} response tokens but {len(lp)} logprobs")
@@ -326,6 +338,10 @@ def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_
         logp = np.asarray(lp, np.float32)                                # [len(r)]
         finite = np.isfinite(logp)                                       # [len(r)]
         finite[:1] &= p_len > 0                                          # no context for a sequence's first token
+        if response_masks is not None and response_masks[i] is not None:
+            finite &= np.asarray(response_masks[i]) > 0                  # observation tokens: not the model's
+        if turn_indices is not None and turn_indices[i] is not None:
+            view["turn_index"][i, p_len:ln] = turn_indices[i]
         view["input_ids"][i, :p_len] = p
         view["input_ids"][i, p_len:ln] = r
         view["response_mask"][i, p_len:ln] = finite
@@ -338,7 +354,8 @@ def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_
 def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                   response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
                   pad_id: int = 0, min_len: int = 16, row_multiple: int = 1, pack: bool = False,
-                  row_tokens: int | None = None, sampling_supports=None, support_width: int | None = None) -> dict:
+                  row_tokens: int | None = None, sampling_supports=None, support_width: int | None = None,
+                  response_masks=None, turn_indices=None) -> dict:
     """Returns the `ROW_KEYS` arrays and the `SEQ_KEYS` index: every value a numpy array (`num_rows(batch)`
     and `num_sequences(batch)` count rows holding a sequence and sequences).
 
@@ -347,9 +364,11 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     `sampling_supports` (per sequence, per response token, the support's ids; truncated sampling) adds
     `sampling_support` [R, L, K], K = `support_width` (default: the largest support; a fixed K, the
     sampling top_k, keeps the shape the learner compiles for the same from step to step).
+    `response_masks` / `turn_indices` (multi-turn; per sequence a list per response token, or None: all
+    sampled, turn 0): the model-token mask and the `turn_index` view (module doc).
     """
     view, lengths, prompt_len = _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id,
-                                               min_len, 1 if pack else row_multiple)
+                                               min_len, 1 if pack else row_multiple, response_masks, turn_indices)
     if sampling_supports is not None:
         width = support_width or max((len(s) for per in sampling_supports for s in per), default=1)
         view["sampling_support"] = _support_view(sampling_supports, prompt_ids, view["input_ids"].shape, width)

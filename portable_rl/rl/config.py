@@ -9,6 +9,7 @@ fields (`rl.GenerationConfig.n_samples = 8`); `dapo.DapoConfig` holds the five t
     ShapeConfig        the padded shapes the learner compiles for
     LossConfig         advantages → PPO loss → optimizer updates
     SafetyConfig       when a broken engine stops the run
+    EnvironmentConfig  what a trajectory talks to between turns, and when it ends
 
 Each validates its own fields (a one-line `ConfigError`); rules that tie two concerns together (e.g.
 prompt_batch_size a multiple of mini_batch_size) are `DapoConfig`'s. Every field has one line in its class's
@@ -250,6 +251,42 @@ class SafetyConfig:
     def __post_init__(self):
         if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
             raise ConfigError(f"max_nonfinite_fraction={self.max_nonfinite_fraction} must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvironmentConfig:
+    """What a trajectory talks to between the model's turns, and when it ends (rl/turns.py, docs/environments.md).
+
+    Attributes:
+      name: a registered environment (`environments.register_environment`); 'single_turn': the task's prompt,
+        one turn, scored by the task's reward.
+      kwargs: keyword arguments of the environment's constructor, one instance per trajectory; an environment
+        whose constructor takes `reward` gets the task's reward function unless this sets it.
+      max_turns: model turns per trajectory at most (the last one ends it with finish reason 'max_turns').
+      max_total_tokens: a trajectory's tokens at most, prompt, turns and observations together (SkyRL's
+        max_input_length); a turn or observation that would pass it ends the trajectory ('token_budget').
+        None: no budget beyond max_turns × max_response_tokens.
+      step_timeout_s: seconds one environment step may take; a slower (or raising) step ends its trajectory with
+        reward 0 ('env_timeout' / 'env_error') and training goes on.
+      workers: threads that run environment steps concurrently.
+      observation_role: the chat role observations are formatted as ('user', or 'tool' where the template has it).
+    """
+    name: str = "single_turn"
+    kwargs: dict = dataclasses.field(default_factory=dict, hash=False)
+    max_turns: int = 1
+    max_total_tokens: Optional[int] = None
+    step_timeout_s: float = 60.0
+    workers: int = 16
+    observation_role: str = "user"
+
+    def __post_init__(self):
+        object.__setattr__(self, "kwargs", dict(self.kwargs))  # gin may give any mapping
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns={self.max_turns} must be >= 1 (rl.EnvironmentConfig.max_turns)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ConfigError(f"max_total_tokens={self.max_total_tokens} must be >= 2 (or None: no budget)")
+        if not self.step_timeout_s > 0 or self.workers < 1:
+            raise ConfigError(f"step_timeout_s={self.step_timeout_s} must be > 0 and workers={self.workers} >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

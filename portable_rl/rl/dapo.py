@@ -2,14 +2,16 @@
 
 Per kept group (one prompt, n samples) with task rewards r and response lengths |y|:
 
-    shaped_i = r_i + R_len(|y_i|)                        overlong shaping (if overlong_buffer > 0)
+    shaped_i = r_i + R_len(|y_i|)                        overlong shaping (if overlong_buffer > 0); |y_i|: the
+                                                         model's tokens (multi-turn: all its turns together)
     A_i      = (shaped_i − mean) / (std + ε)             advantage="grpo"
              =  shaped_i − mean                          advantage="drgrpo"
 
-then every token of response i gets A_i (`batching.pack_rollouts`). DAPO = dynamic sampling +
-clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation + overlong shaping; GRPO = none of the
-first two and seq-mean-token-mean (set `dynamic_sampling=False, clip_eps_high=0.2,
-loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
+then every token of response i gets A_i (`batching.pack_rollouts`). A multi-turn trajectory is one response:
+r_i is its summed reward, and A_i reaches only the tokens the engine sampled (response_mask 0 on
+observations). DAPO = dynamic sampling + clip-higher (ε_low=0.2, ε_high=0.28) + token-mean aggregation +
+overlong shaping; GRPO = none of the first two and seq-mean-token-mean (set `dynamic_sampling=False,
+clip_eps_high=0.2, loss_aggregation="seq-mean-token-mean"`; see gin/grpo_bf16.gin).
 
 `DapoConfig` holds the five parts of rl/config.py (generation, data, shapes, loss, safety); each setting is
 read one way, through its part (`cfg.loss.clip_eps_high`), and gin binds it there
@@ -82,7 +84,8 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
     learner packs each mini-batch into its micro-batches (rl/learner.py)."""
     rollouts = [r for g in groups for r in g.rollouts]
     rewards = np.concatenate([g.rewards for g in groups]).astype(np.float32)      # [G*n]
-    lengths = np.array([len(r.response_token_ids) for r in rollouts], np.float32)  # [G*n]
+    lengths = np.array([len(r.response_token_ids) if r.response_mask is None else sum(r.response_mask)
+                        for r in rollouts], np.float32)                              # [G*n] model tokens
     shaped = shaped_rewards(cfg, rewards, lengths)
     adv = group_advantages(cfg, shaped)
     supports = None
@@ -91,10 +94,13 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
             raise ValueError("top_p / top_k sampling but a rollout has no sampling_support: the engine must "
                              "return it (SamplingConfig.return_support)")
         supports = [r.sampling_support for r in rollouts]
+    multi_turn = any(r.response_mask is not None for r in rollouts)  # else: every response token was sampled
     batch = pack_rollouts([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
                           [r.response_logprobs for r in rollouts], adv, pad_id=pad_id,
                           min_len=cfg.shapes.min_seq_bucket, row_multiple=cfg.rows_per_minibatch,
-                          sampling_supports=supports, support_width=cfg.generation.top_k if supports else None)
+                          sampling_supports=supports, support_width=cfg.generation.top_k if supports else None,
+                          response_masks=[r.response_mask for r in rollouts] if multi_turn else None,
+                          turn_indices=[r.turn_index for r in rollouts] if multi_turn else None)
     stats = {"reward/shaped_mean": float(shaped.mean()), "advantage/abs_mean": float(np.abs(adv).mean()),
              "batch/sequences": len(rollouts), "batch/seq_len_bucket": batch["input_ids"].shape[1]}
     return batch, stats

@@ -1,4 +1,4 @@
-"""Held-out evaluation through a rollout engine: accuracy, pass@k, mean response length.
+"""Held-out evaluation through a rollout engine: accuracy, pass@k, mean response length, mean turns.
 
 pass@k uses the unbiased estimator of Chen et al. (2021) from n >= k samples with c correct:
 
@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from portable_rl.errors import ConfigError
+from portable_rl.rl.config import EnvironmentConfig
 from portable_rl.rl.scoring import generate_and_score
 
 
@@ -39,18 +40,23 @@ def summarize(correct: np.ndarray, lengths: np.ndarray, ks: Sequence[int] = (1,)
 
 
 def evaluate_examples(engine, codec, examples, reward_fn: Callable[[str, str], float], sampling,
-                      ks: Sequence[int] = (1,), batch_size: int = 256) -> tuple[dict, list[dict]]:
-    """Generates `sampling.n` responses per example; returns (summary, per-sample records)."""
-    records, correct, lengths = [], [], []
+                      ks: Sequence[int] = (1,), batch_size: int = 256,
+                      environment: EnvironmentConfig = EnvironmentConfig()) -> tuple[dict, list[dict]]:
+    """Runs `sampling.n` trajectories per example in `environment` (the training loop's: the same code scores
+    both); returns (summary, per-sample records)."""
+    records, correct, lengths, turns = [], [], [], []
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        scored = generate_and_score(engine, codec, chunk, reward_fn, sampling)
-        for r, text, score in zip(scored.rollouts, scored.texts, scored.scores):
+        scored = generate_and_score(engine, codec, chunk, reward_fn, sampling, environment)
+        for traj, text in zip(scored.trajectories, scored.texts):
+            r, score = traj.rollout, traj.reward
             ex = chunk[r.prompt_index]
             records.append({"prompt": ex.prompt, "answer": ex.answer, "response": text, "reward": score,
-                            "length": len(r.response_token_ids)})
+                            "length": len(r.response_token_ids), "turns": traj.num_turns, "finish": traj.finish})
             correct.append(score >= 1.0)
             lengths.append(len(r.response_token_ids))
+            turns.append(traj.num_turns)
     n = sampling.n
     summary = summarize(np.asarray(correct).reshape(-1, n), np.asarray(lengths).reshape(-1, n), ks)
+    summary["mean_turns"] = float(np.mean(turns)) if turns else 0.0
     return summary, records

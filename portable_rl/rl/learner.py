@@ -190,6 +190,16 @@ def _correction_fn(correction: tis.RolloutCorrectionConfig):
     return jax.jit(functools.partial(tis.apply_rollout_correction, correction))
 
 
+def turn_metrics(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray, turn_index: np.ndarray | None) -> dict:
+    """`tis/kl/turn_<k>`: tis/kl (mean of rollout − old logprob over model tokens) over the tokens of turn k, for
+    a batch of multi-turn trajectories (`turn_index` [N, T] from `batching.pack_rollouts`); {} otherwise."""
+    if turn_index is None or not turn_index.any():
+        return {}
+    valid = np.asarray(mask) > 0                                                          # [N, T]
+    diff = np.asarray(rollout, np.float64) - np.asarray(old, np.float64)                  # [N, T]
+    return {f"tis/kl/turn_{k}": float(diff[valid & (turn_index == k)].mean()) for k in np.unique(turn_index[valid])}
+
+
 def combine_metrics(parts: list[dict]) -> dict:
     """Micro-batch metric sums → one value per update: token-weighted means, ratio_max a max, loss a sum."""
     tokens = sum(p["tokens"] for p in parts)
@@ -213,6 +223,7 @@ class DeferredMiniBatch:
     layouts: list[batching.Layout]       # of its micro-batches
     rollout_logprobs: np.ndarray         # [N, T] of the view
     response_mask: np.ndarray            # [N, T]
+    turn_index: np.ndarray | None        # [N, T] for multi-turn trajectories (batching.pack_rollouts), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +259,8 @@ def complete_deferred(prepared: PreparedBatch, rows: list[dict],
     micro[deferred.index] = [dict(mb, **r) for mb, r in zip(micro[deferred.index], rows)]
     return dataclasses.replace(
         prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
-        metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()}})
+        metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()},
+                 **turn_metrics(old, deferred.rollout_logprobs, deferred.response_mask, deferred.turn_index)})
 
 
 # ------------------------------------------------------------------------------ micro-batch layouts
@@ -490,6 +502,8 @@ class Learner:
             tokens += sum(lay.rows * lay.row_tokens for lay in mini)
             rows += sum(lay.rows for lay in mini)
         out = {f"tis/{k}": float(v) for k, v in metrics.items()}
+        if metrics:  # per-turn mismatch of multi-turn trajectories: does it grow with the turn?
+            out.update(turn_metrics(old, batch["rollout_logprobs"], batch["response_mask"], batch.get("turn_index")))
         # batch/learner_tokens: the real tokens of the micro-batches (fewer than the sequences' with share_prompts)
         out.update({"batch/padding_fraction": padding / max(tokens, 1), "batch/rows": rows,
                     "batch/learner_tokens": laid_out,
@@ -499,7 +513,8 @@ class Learner:
             micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep, metrics=out,
             policy_version=None if self.bypass else self.updates,
             deferred=None if deferred is None else DeferredMiniBatch(
-                deferred, layouts[deferred], batch["rollout_logprobs"], batch["response_mask"]))
+                deferred, layouts[deferred], batch["rollout_logprobs"], batch["response_mask"],
+                batch.get("turn_index")))
 
     # ------------------------------------------------------------------------------ update
     def step(self, batch: dict) -> dict:

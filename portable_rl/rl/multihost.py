@@ -24,7 +24,8 @@ x64 would turn int64 into int32) and the whole step is two collectives (the leng
 
 What a step broadcasts is the kept rollouts in their compact form (`groups_to_wire`: the token ids and
 logprobs of every prompt and response, concatenated, and the rewards), 4·|prompt| + 8·|response| bytes
-per sequence; every process then builds the same padded batch and advantages from them (pure numpy,
+per sequence (multi-turn trajectories: 5 more per response token, their mask and turn indices); every process
+then builds the same padded batch and advantages from them (pure numpy,
 `dapo.build_batch`). Broadcasting the padded batch instead would send 28 bytes per token slot of
 [rows, longest sequence] (e.g. 0.47 GB for the Qwen3-8B recipe's 512 × 32 768 view, against ~35 MB).
 """
@@ -140,6 +141,12 @@ def groups_to_wire(groups) -> dict:
         supports = [s for r in rollouts for s in r.sampling_support]
         wire["support_sizes"] = np.array([len(s) for s in supports], np.int32)                 # [Σ|r|]
         wire["support_ids"] = np.array([v for s in supports for v in s], np.int32)            # [Σ|S_t|]
+    if any(r.response_mask is not None for r in rollouts):  # multi-turn trajectories: which tokens are the model's
+        n = [len(r.response_token_ids) for r in rollouts]
+        wire["response_mask"] = np.array([m for r, k in zip(rollouts, n) for m in (r.response_mask or [1] * k)],
+                                         np.int8)                                              # [Σ|r|]
+        wire["turn_index"] = np.array([m for r, k in zip(rollouts, n) for m in (r.turn_index or [0] * k)],
+                                      np.int32)                                                # [Σ|r|]
     return wire
 
 
@@ -153,11 +160,14 @@ def groups_from_wire(wire: dict) -> list:
     if "support_sizes" in wire:  # per response token, its sampling support
         s_end = np.cumsum(wire["support_sizes"])
         supports = [wire["support_ids"][e - n:e].tolist() for e, n in zip(s_end, wire["support_sizes"])]
+    turns = "response_mask" in wire
     rollouts = [Rollout(prompt_index=i, prompt_token_ids=wire["prompt_ids"][p_end[i] - pl:p_end[i]].tolist(),
                         response_token_ids=wire["response_ids"][r_end[i] - rl:r_end[i]].tolist(),
                         response_logprobs=wire["response_logprobs"][r_end[i] - rl:r_end[i]].tolist(),
                         finish_reason="length" if wire["truncated"][i] else "stop",
-                        sampling_support=None if supports is None else supports[r_end[i] - rl:r_end[i]])
+                        sampling_support=None if supports is None else supports[r_end[i] - rl:r_end[i]],
+                        response_mask=wire["response_mask"][r_end[i] - rl:r_end[i]].tolist() if turns else None,
+                        turn_index=wire["turn_index"][r_end[i] - rl:r_end[i]].tolist() if turns else None)
                 for i, (pl, rl) in enumerate(zip(wire["prompt_lengths"], wire["response_lengths"]))]
     groups, start = [], 0
     for size in wire["group_sizes"].tolist():

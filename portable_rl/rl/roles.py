@@ -2,10 +2,11 @@
 
     EngineSide: the only process, or process 0 (the driver)      FollowerSide: processes 1 .. N-1
     ───────────────────────────────────────────────────────      ────────────────────────────────
-    rollouts(step): task draws → engine → rewards → dynamic        rollouts(step): the driver's broadcast
-        sampling (a rollout source: sync, or prefetching
-        step + 1 during training; rl/async_rollout.py)
-        sampling → broadcast (kept rollouts, step metrics)            → the same batch
+    rollouts(step): task draws → environments ⇄ engine          rollouts(step): the driver's broadcast
+        (turns, rl/turns.py) → rewards → dynamic sampling (a
+        rollout source: sync, or prefetching step + 1 during
+        training; rl/async_rollout.py) → broadcast (kept           → the same batch
+        rollouts, step metrics)
         → batch + advantages (dapo.build_batch)
     wait_rollouts(): async: the in-flight generation               (nothing)
     push(): weight export (gathers) → torch → engine reload        push(): the same export, gathers only
@@ -24,6 +25,7 @@ from __future__ import annotations
 import time
 
 from portable_rl.rl.async_rollout import rollout_source
+from portable_rl.rl.config import EnvironmentConfig
 from portable_rl.rl.dapo import build_batch
 from portable_rl.rl.diagnostics import Serving
 from portable_rl.rl.evaluation import evaluate_examples
@@ -46,15 +48,16 @@ class EngineSide:
     """Owns the engine, the task draws, evaluation and the run directory's logs."""
 
     def __init__(self, *, engine, serving: Serving, writer, codec, task, reward_fn, cfg, seed: int, held_out,
-                 greedy, async_rollouts: bool, procs: Processes = Processes()):
+                 greedy, async_rollouts: bool, procs: Processes = Processes(),
+                 environment: EnvironmentConfig = EnvironmentConfig()):
         self.engine, self.serving, self.writer, self.codec, self.procs = engine, serving, writer, codec, procs
-        self.task, self.reward_fn, self.cfg, self.seed = task, reward_fn, cfg, seed
+        self.task, self.reward_fn, self.cfg, self.seed, self.environment = task, reward_fn, cfg, seed, environment
         self.held_out, self.greedy = held_out, greedy
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
         return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
-                              seed=self.seed)
+                              seed=self.seed, environment=self.environment)
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         """→ (batch or None when no group was kept, step metrics, generation seconds). The kept rollouts and
@@ -81,8 +84,12 @@ class EngineSide:
         push_weights(self.engine, model, model_config, smoothing=self.serving.smoothing)
 
     def heldout(self) -> dict:
-        summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy)
-        return {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
+        summary, _ = evaluate_examples(self.engine, self.codec, self.held_out, self.reward_fn, self.greedy,
+                                       environment=self.environment)
+        out = {"accuracy/heldout": summary["accuracy"], "eval/mean_length": summary["mean_length"]}
+        if self.environment.max_turns > 1:
+            out["eval/mean_turns"] = summary["mean_turns"]
+        return out
 
     def write(self, step: int, metrics: dict) -> dict:
         return self.writer.write(step, metrics)

@@ -1,11 +1,12 @@
-"""Encode → generate → decode → reward: the one path from task examples to scored rollouts.
+"""Examples → environments → scored trajectories: the one path from task examples to rewards.
 
-    rollouts   = engine.generate([encode_prompt(e.prompt) for e in examples], sampling)
-                 prompt-major: rollouts[p·n + j] is sample j of examples[p], n = sampling.n
-    texts_i    = decode_response(rollouts_i.response_token_ids)
-    scores_i   = reward_fn(texts_i, examples[rollouts_i.prompt_index].answer)          in [0, 1]
+    trajectories = turns.run_trajectories(engine, codec, examples, environment, sampling, config)
+                   prompt-major: trajectory p·n + j is sample j of examples[p], n = sampling.n
+    texts_i      = decode_response(rollouts_i.response_token_ids)      (observations included, multi-turn)
+    scores_i     = trajectory i's reward, the sum of its environment steps' rewards
 
-Training (`rl.rollout.collect_groups`, per draw of dynamic sampling) and held-out evaluation
+With the default environment (`single_turn`) that is one generate call and `reward_fn(text, answer)` per
+sample. Training (`rl.rollout.collect_groups`, per draw of dynamic sampling) and held-out evaluation
 (`rl.evaluation.evaluate_examples`, per chunk) both go through `generate_and_score`.
 """
 
@@ -16,12 +17,24 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from portable_rl.rl.config import EnvironmentConfig
+from portable_rl.rl.turns import Trajectory, environment_factory, run_trajectories
+
 
 @dataclasses.dataclass
 class ScoredRollouts:
-    rollouts: list         # engines.base.Rollout, prompt-major (n per example)
-    texts: list            # decoded responses, one per rollout
-    scores: list           # reward_fn's value per rollout, as returned
+    trajectories: list[Trajectory]   # prompt-major (n per example)
+    texts: list                      # decoded responses, one per trajectory
+    env_seconds: float               # spent in the environments' reset / step / close
+
+    @property
+    def rollouts(self) -> list:
+        """engines.base.Rollout per trajectory (multi-turn: with its response mask and turn indices)."""
+        return [t.rollout for t in self.trajectories]
+
+    @property
+    def scores(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
 
     @property
     def rewards(self) -> np.ndarray:
@@ -29,10 +42,10 @@ class ScoredRollouts:
         return np.array(self.scores, np.float32)
 
 
-def generate_and_score(engine, codec, examples: Sequence, reward_fn: Callable[[str, str], float],
-                       sampling) -> ScoredRollouts:
-    """Samples `sampling.n` responses per example and scores each against its example's answer."""
-    rollouts = engine.generate([codec.encode_prompt(e.prompt) for e in examples], sampling)
-    texts = [codec.decode_response(r.response_token_ids) for r in rollouts]
-    scores = [reward_fn(text, examples[r.prompt_index].answer) for r, text in zip(rollouts, texts)]
-    return ScoredRollouts(rollouts, texts, scores)
+def generate_and_score(engine, codec, examples: Sequence, reward_fn: Callable[[str, str], float], sampling,
+                       environment: EnvironmentConfig = EnvironmentConfig()) -> ScoredRollouts:
+    """Runs `sampling.n` trajectories per example in `environment` (its reward: the task's `reward_fn`)."""
+    trajectories, env_seconds = run_trajectories(engine, codec, examples, environment_factory(environment, reward_fn),
+                                                 sampling, environment)
+    texts = [codec.decode_response(t.rollout.response_token_ids) for t in trajectories]
+    return ScoredRollouts(trajectories, texts, env_seconds)

@@ -49,10 +49,12 @@ def exact_match(response: str, answer: str) -> float:
 def math_verify_reward(response: str, answer: str) -> float:
     from math_verify import parse, verify
 
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    # No math-verify timeouts: they use SIGALRM, which works in the main thread only, and rewards run in the
+    # rollout driver's worker threads under its own time limit (rl.EnvironmentConfig.step_timeout_s).
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=None)
     if not gold:
         return 0.0
     try:
-        return float(verify(gold, parse(response)))
+        return float(verify(gold, parse(response, parsing_timeout=None), timeout_seconds=None))
     except Exception:  # math-verify may raise on pathological model output; that output is wrong
         return 0.0

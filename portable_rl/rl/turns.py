@@ -1,0 +1,215 @@
+"""The rollout driver: trajectories of turns between the engine and one environment each, tokens in and out.
+
+    reset      env_i = Env(**kwargs) per trajectory; prompt ids of example p = codec.encode_prompt(reset(example))
+               (text) or codec.encode_messages(reset(example)) (chat messages)
+    turn 0     engine.generate(one prompt per example, sampling)            n trajectories per example: today's
+               call, today's seeds (sample j of example p: seed + p·n + j), trajectory t = p·n + j
+    turn k≥1   engine.generate(ids of every active trajectory, sampling with n = 1 and seed S_k)   ONE batched call;
+               S_k = hash(sampling.seed, k), the a-th active trajectory (in trajectory order) gets S_k + a
+    step       env.step(decoded turn) for every active trajectory, concurrently (a thread pool), each under
+               `step_timeout_s`
+    append     the turn's ids and logprobs exactly as the engine returned them (mask 1), then the observation's
+               ids, formatted as the chat template's user/tool turn and tokenized once (`codec.encode_observation`;
+               mask 0, logprob 0); the model's text is never re-tokenized
+
+A trajectory's ids are prompt + turn₀ + obs₀ + turn₁ + obs₁ + … + turn_last (no observation after the last
+turn), its reward the sum of its steps' rewards. It ends with one finish reason:
+
+    done           the environment said so
+    max_turns      its `max_turns`-th turn was not done
+    token_budget   the next turn or observation would pass `max_total_tokens` (a turn is cut at the budget, and
+                   not stepped: that turn's reward is 0; an observation that does not fit is not appended)
+    env_timeout    an environment step took longer than `step_timeout_s`: reward 0 (the thread is abandoned)
+    env_error      an environment step raised, or returned no Step: reward 0
+
+It comes back as one `engines.base.Rollout` whose response is everything after the prompt, with
+`response_mask` and `turn_index` (observation tokens belong to the turn they answer); a one-turn trajectory is
+the engine's Rollout itself, so a single-turn task's rollouts are exactly today's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import inspect
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from portable_rl.engines.base import Rollout
+from portable_rl.environments import Step, get_environment
+from portable_rl.errors import UserError
+
+FINISH_REASONS = ("done", "max_turns", "token_budget", "env_timeout", "env_error")
+
+
+class EnvironmentPromptError(UserError, ValueError):
+    """An environment's reset gave different prompts for the same example (a group must share its prompt)."""
+
+
+@dataclasses.dataclass
+class Trajectory:
+    rollout: Rollout      # the whole trajectory (module doc)
+    reward: float         # sum of its steps' rewards (0 after env_timeout / env_error)
+    num_turns: int        # model turns
+    finish: str           # one of FINISH_REASONS
+    info: dict            # the last step's info; env_timeout / env_error: {"error": ...}; + "close_error"
+
+
+def environment_factory(config, reward_fn: Callable[[str, str], float]) -> Callable[[], object]:
+    """`() -> a new Environment` from an `rl.EnvironmentConfig`; a constructor with a `reward` parameter gets
+    `reward_fn` (the task's) unless `config.kwargs` sets it."""
+    cls = get_environment(config.name)
+    kwargs = dict(config.kwargs)
+    if "reward" in inspect.signature(cls).parameters and "reward" not in kwargs:
+        kwargs["reward"] = reward_fn
+    return lambda: cls(**kwargs)
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """S_k of turn k ≥ 1 (module doc); None stays unseeded."""
+    return None if seed is None else int(np.random.default_rng([seed, turn, 11]).integers(0, 2**31 - 1))
+
+
+class _Open:
+    """A trajectory while it runs: its environment, ids after the prompt, and per response token its logprob,
+    mask, turn and support."""
+
+    def __init__(self, env, example_index: int, prompt_ids):
+        self.env, self.example_index, self.prompt_ids = env, example_index, prompt_ids
+        self.ids, self.logprobs, self.mask, self.turns, self.support = [], [], [], [], []
+        self.reward, self.num_turns, self.finish, self.info, self.last = 0.0, 0, None, {}, None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    def append(self, ids, logprobs, mask: int, turn: int, support) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [mask] * len(ids)
+        self.turns += [turn] * len(ids)
+        self.support += support
+
+    def end(self, finish: str, *, reward: float | None = None, info: dict | None = None) -> None:
+        self.finish = finish
+        self.reward = self.reward if reward is None else reward
+        self.info = self.info if info is None else info
+
+    def trajectory(self, has_support: bool) -> Trajectory:
+        single = self.num_turns == 1 and len(self.ids) == len(self.last.response_token_ids)
+        rollout = self.last if single else Rollout(
+            prompt_index=self.example_index, prompt_token_ids=self.prompt_ids,
+            response_token_ids=self.ids, response_logprobs=self.logprobs, finish_reason=self.last.finish_reason,
+            sampling_support=self.support if has_support else None, response_mask=self.mask, turn_index=self.turns)
+        return Trajectory(rollout, float(self.reward), self.num_turns, self.finish, self.info)
+
+
+def _step_all(pool, workers: int, abandoned: list, envs, texts, timeout_s: float) -> list:
+    """`env.step(text)` for each pair, concurrently → per pair a Step, or ("env_timeout" | "env_error", message).
+    `abandoned`: the futures of timed-out steps (of this call and earlier ones on `pool`), which may hold a worker
+    for good; once they hold all `workers`, the steps still waiting for one time out too."""
+    started = [None] * len(envs)
+
+    def run(i):
+        started[i] = time.perf_counter()
+        return envs[i].step(texts[i])
+
+    futures = [pool.submit(run, i) for i in range(len(envs))]
+    results, pending = [None] * len(envs), set(range(len(envs)))
+    while pending:
+        concurrent.futures.wait([futures[i] for i in pending], timeout=0.02,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.perf_counter()
+        stuck = sum(not f.done() for f in abandoned) >= workers  # no worker will ever be free again
+        for i in sorted(pending):
+            if futures[i].done():
+                pending.discard(i)
+                try:
+                    step = futures[i].result()
+                    results[i] = Step(step.observation, float(step.reward), bool(step.done), dict(step.info or {}))
+                except Exception as e:  # noqa: BLE001  (a raising environment ends its trajectory, not the run)
+                    results[i] = ("env_error", f"{type(e).__name__}: {e}")
+            elif started[i] is not None and now - started[i] > timeout_s:
+                pending.discard(i)
+                abandoned.append(futures[i])
+                results[i] = ("env_timeout", f"step took longer than step_timeout_s={timeout_s}")
+            elif started[i] is None and stuck:
+                pending.discard(i)
+                futures[i].cancel()
+                results[i] = ("env_timeout", "never started: timed-out steps hold every worker")
+    return results
+
+
+def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], object], sampling,
+                     config) -> tuple[list[Trajectory], float]:
+    """Runs `sampling.n` trajectories per example to their end (module doc) → (trajectories, prompt-major:
+    trajectory p·n + j is sample j of examples[p]; seconds spent in the environments). `config`: an
+    `rl.EnvironmentConfig`."""
+    n, budget = sampling.n, config.max_total_tokens or float("inf")
+    env_seconds, start = 0.0, time.perf_counter()
+    envs = [make_env() for _ in range(len(examples) * n)]
+    prompts = [env.reset(examples[t // n]) for t, env in enumerate(envs)]
+    env_seconds += time.perf_counter() - start
+    encoded = [codec.encode_prompt(p) if isinstance(p, str) else codec.encode_messages(p) for p in prompts[::n]]
+    for t, p in enumerate(prompts):
+        if p != prompts[t - t % n]:
+            raise EnvironmentPromptError(f"{type(envs[t]).__name__}.reset gave trajectories {t - t % n} and {t} of "
+                                         "one example different prompts; reset must depend on the example only")
+    trajs = [_Open(env, t // n, encoded[t // n]) for t, env in enumerate(envs)]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="environment")
+    abandoned = []  # futures of timed-out steps (their threads cannot be stopped)
+    try:
+        for turn in range(config.max_turns):
+            active = [t for t in trajs if t.finish is None]
+            if not active:
+                break
+            if turn == 0:  # today's call: one prompt per example, n samples each, the step's seeds
+                rollouts = engine.generate(encoded, sampling)
+            else:
+                rollouts = engine.generate([t.prompt_ids + t.ids for t in active],
+                                           dataclasses.replace(sampling, n=1, seed=turn_seed(sampling.seed, turn)))
+            stepping = []
+            for traj, r in zip(active, rollouts):
+                ids, logprobs, support = r.response_token_ids, r.response_logprobs, r.sampling_support or []
+                room = int(min(len(ids), budget - traj.length))
+                traj.append(ids[:room], logprobs[:room], 1, turn, support[:room])
+                traj.num_turns, traj.last = turn + 1, r
+                if room < len(ids):
+                    traj.end("token_budget")
+                else:
+                    stepping.append(traj)
+            start = time.perf_counter()
+            results = _step_all(pool, config.workers, abandoned, [t.env for t in stepping],
+                                [codec.decode_response(t.last.response_token_ids) for t in stepping],
+                                config.step_timeout_s)
+            env_seconds += time.perf_counter() - start
+            for traj, result in zip(stepping, results):
+                if not isinstance(result, Step):
+                    traj.end(result[0], reward=0.0, info={"error": result[1]})
+                    continue
+                traj.reward += result.reward
+                traj.info = result.info
+                if result.done:
+                    traj.end("done")
+                    continue
+                if turn + 1 == config.max_turns:
+                    traj.end("max_turns")
+                    continue
+                closed = bool(traj.last.response_token_ids) and traj.last.response_token_ids[-1] == codec.eos_id
+                obs = codec.encode_observation(result.observation or "", config.observation_role, after_eos=closed)
+                if traj.length + len(obs) >= budget:  # no room for the observation and one token of a turn
+                    traj.end("token_budget")
+                    continue
+                traj.append(obs, [0.0] * len(obs), 0, turn, [[tok] for tok in obs])
+    finally:
+        start = time.perf_counter()
+        for traj in trajs:
+            try:
+                traj.env.close()
+            except Exception as e:  # noqa: BLE001  (e.g. an abandoned step still holds it; the trajectory is done)
+                traj.info = {**traj.info, "close_error": f"{type(e).__name__}: {e}"}
+        env_seconds += time.perf_counter() - start
+        pool.shutdown(wait=False, cancel_futures=True)
+    return [traj.trajectory(sampling.return_support) for traj in trajs], env_seconds
