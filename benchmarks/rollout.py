@@ -470,6 +470,7 @@ def decode(args) -> dict:
                 prefill_s, _ = _timed_call(engines[arm], prompts, prefill)
                 decode_s = generate_s - prefill_s
                 calls.append({"rep": rep, "warmup": rep == 0, "arm": arm, "position": position,
+                              "dtype": served_by[arm].split(",")[0], "served_by": served_by[arm],
                               "generated_tokens": b * t, "prefill_tokens": sum(map(len, prompts)),
                               "generate_s": generate_s, "prefill_s": prefill_s, "decode_s": decode_s,
                               "decode_tokens_per_s": b * (t - 1) / decode_s, "rollout_tokens_per_s": b * t / generate_s})
