@@ -26,8 +26,10 @@ exactly --max-tokens (default 256; vLLM's `ignore_eos`, set by this script aroun
 `generate`, so every arm does the same work), from --prompts prompts whose lengths are drawn uniformly from
 --prompt-len (default 100-300 tokens: word-problem text from the checkpoint's own tokenizer, cut to that
 length). The KV cache holds every prompt at full length, so each decode step runs at batch B = --prompts.
-Each repetition (round 0 warms up, then --reps, default 5) runs every arm twice, full length and
-prefill-only (max_tokens = 1), in an order rotated by one arm per repetition; prefix cache reset before each call:
+Each repetition (--reps, default 5) runs every arm twice, full length and prefill-only (max_tokens = 1), in an
+order rotated by one arm per repetition, after a warm-up round of WARMUP_TOKENS per prompt (an engine's first
+call builds its GEMM primitives for the prefill and decode shapes; the decode batch stays B throughout, so a
+short round covers them); the prefix cache is reset before each call:
 
     t_decode        = t(max_tokens = T) − t(max_tokens = 1)            (same arm, same repetition, adjacent)
     decode tokens/s = B · (T − 1) / t_decode
@@ -314,6 +316,7 @@ def throughput(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- decode
 CPU_FLAG_PATTERN = r"avx512[a-z_0-9]*|avx_vnni|amx[a-z_0-9]*"  # what the docs quote of /proc/cpuinfo
+WARMUP_TOKENS = 8  # generated per prompt in the warm-up round (module doc)
 
 
 def word_problem_prompts(ckpt: str, n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
@@ -460,11 +463,12 @@ def decode(args) -> dict:
             engines[arm] = create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
                                          quantized_checkpoint_root=os.path.join(workdir, "quantized"), **kwargs)
         served_by = {arm: _served_by(engine) for arm, engine in engines.items()}
-        full = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens, seed=0)
         prefill = SamplingConfig(temperature=1.0, max_tokens=1, seed=0)
-        b, t = len(prompts), args.max_tokens
+        b = len(prompts)
         calls = []
         for rep in range(1 + args.reps):  # round 0 warms up
+            t = min(WARMUP_TOKENS, args.max_tokens) if rep == 0 else args.max_tokens
+            full = SamplingConfig(temperature=1.0, max_tokens=t, seed=0)
             for position, arm in enumerate(rotated(list(engines), rep)):
                 generate_s, _ = _timed_call(engines[arm], prompts, full)
                 prefill_s, _ = _timed_call(engines[arm], prompts, prefill)
@@ -485,7 +489,7 @@ def decode(args) -> dict:
             "started_utc": started.isoformat(timespec="seconds"),
             "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_average_before": load_before, "load_average_after": os.getloadavg(), **machine(),
-            "model": name, "params": n_params, "prompts": b, "max_tokens": t, "reps": args.reps,
+            "model": name, "params": n_params, "prompts": b, "max_tokens": args.max_tokens, "reps": args.reps,
             "prompt_tokens": {"min": min(map(len, prompts)), "mean": sum(map(len, prompts)) / b,
                               "max": max(map(len, prompts))},
             "max_model_len": max_len, "kv_cache_memory_bytes": kv_bytes,
