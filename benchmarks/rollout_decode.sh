@@ -11,7 +11,7 @@
 #   bash benchmarks/rollout_decode.sh         # from the repository root, on an otherwise idle machine
 #   ARMS="fp32 bf16 int8_per_channel int8_per_channel_fp32" bash benchmarks/rollout_decode.sh   # other arms
 #   SIZES="smollm2" REPS=2 bash benchmarks/rollout_decode.sh                                      # a subset
-# Wall time: docs/experiments/cpu_rollouts.md, "INT8 decode at rollout length" (estimated ~3 h on 2 cores).
+# Wall time: docs/experiments/cpu_rollouts.md, "INT8 decode at rollout length" (estimated 2.5-4 h on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
