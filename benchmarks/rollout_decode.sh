@@ -11,6 +11,8 @@
 #   bash benchmarks/rollout_decode.sh         # from the repository root, on an otherwise idle machine
 #   ARMS="fp32 bf16 int8_per_channel int8_per_channel_fp32" bash benchmarks/rollout_decode.sh   # other arms
 #   SIZES="smollm2" REPS=2 bash benchmarks/rollout_decode.sh                                      # a subset
+#   SIZES=smollm2 OUT=/tmp/r bash benchmarks/rollout_decode.sh --prompts 2 --max-tokens 8 --reps 1   # rehearsal
+# Arguments go to every `python -m benchmarks.rollout --decode` call, after (so overriding) the ones above.
 # Wall time: docs/experiments/cpu_rollouts.md, "INT8 decode at rollout length" (estimated 2.5-4 h on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +37,5 @@ for size in $SIZES; do
   esac
   # shellcheck disable=SC2086  # ARMS is a word list
   "$PY" -m benchmarks.rollout --decode "${model[@]}" --prompts 32 --max-tokens 256 --prompt-len 100 300 \
-      --reps "$REPS" --arms $ARMS --workdir "$WORKDIR" --out "${prefix}_${size}.json"
+      --reps "$REPS" --arms $ARMS --workdir "$WORKDIR" --out "${prefix}_${size}.json" "$@"
 done
