@@ -21,6 +21,25 @@ logprobs per token), the price of exact top-p TIS (tokens/s; the arms sample dif
 `--model DIR` benchmarks an HF checkpoint directory
 (e.g. checkpoints/smollm2-135m-instruct) instead of a random Qwen2.
 
+Decode (`--decode`): rollout-length generation, the way RL rollouts spend their time. Every request decodes
+exactly --max-tokens (default 256; vLLM's `ignore_eos`, set by this script around the adapter's own
+`generate`, so every arm does the same work), from --prompts prompts whose lengths are drawn uniformly from
+--prompt-len (default 100-300 tokens: word-problem text from the checkpoint's own tokenizer, cut to that
+length). The KV cache holds every prompt at full length, so each decode step runs at batch B = --prompts.
+Each repetition (--reps, default 5) runs every arm twice, full length and prefill-only (max_tokens = 1), in an
+order rotated by one arm per repetition, after a warm-up round of WARMUP_TOKENS per prompt (an engine's first
+call builds its GEMM primitives for the prefill and decode shapes; the decode batch stays B throughout, so a
+short round covers them); the prefix cache is reset before each call:
+
+    t_decode        = t(max_tokens = T) − t(max_tokens = 1)            (same arm, same repetition, adjacent)
+    decode tokens/s = B · (T − 1) / t_decode
+    rollout tokens/s = B · T / t(max_tokens = T)
+    per arm: the median over repetitions of each; best unquantized = the fp32 / bf16 arm of higher decode tokens/s
+    ratio           = arm's median decode tokens/s / best unquantized arm's   (also per repetition, same round)
+
+`--out FILE` writes every call (arm, repetition, position in the round, tokens, seconds), each arm's engine
+dtype and kernel (`served_by`), the CPU model and flags, load averages, command, date and git commit.
+
 Breakdown. `--run-dir RUN` reads RUN/metrics.jsonl (written by `portable_rl.train`) and prints the medians of
 time/generate, time/logprob, time/train, time/sync and time/step over steps, their shares of the step
 (the rest, "other", is the post-sync probe and held-out evaluation), and checks sync < 5 % of a step and
@@ -34,8 +53,11 @@ rl/mismatch_split.py).
     python -m benchmarks.rollout --model checkpoints/smollm2-135m-instruct --prompts 32 --max-tokens 64 --fp8-baseline
     python -m benchmarks.rollout --layers 4 --hidden 4096 --intermediate 11008 --arms bf16 int8_per_channel
     python -m benchmarks.rollout --run-dir runs/dapo_fp8
+    python -m benchmarks.rollout --decode --model checkpoints/smollm2-135m-instruct --out docs/data/rollout_decode/X.json
+    bash benchmarks/rollout_decode.sh      # the decode measurement at SmolLM2 size, d 2048 and d 4096 (all arms)
 
-Measured numbers, with their CPUs: docs/experiments/cpu_rollouts.md ("INT8 rollouts", "Rollout throughput").
+Measured numbers, with their CPUs: docs/experiments/cpu_rollouts.md ("INT8 rollouts", "Rollout throughput",
+"INT8 decode at rollout length").
 """
 
 from __future__ import annotations
@@ -201,12 +223,10 @@ def _first_linear_kernel(worker) -> str:
     return "unquantized"
 
 
-def throughput(args) -> dict:
-    from portable_rl.engines import SamplingConfig, create_engine
-    from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags
+def checkpoint(args, workdir: str) -> tuple[str, str, int]:
+    """(checkpoint directory, its name, parameter count): --model, or a random Qwen2 written into workdir."""
     from portable_rl.testing import make_tiny_checkpoint
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
     if args.model:
         ckpt, name = args.model, os.path.basename(os.path.normpath(args.model))
         if not os.path.exists(os.path.join(ckpt, "config.json")):
@@ -233,7 +253,15 @@ def throughput(args) -> dict:
     for path in safetensors_files(ckpt):
         with safe_open(path, framework="numpy") as st:
             n_params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return ckpt, name, n_params
 
+
+def throughput(args) -> dict:
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.engines.cpu_features import FAST_BF16_CPU_FLAGS, cpu_flags
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
+    ckpt, name, n_params = checkpoint(args, workdir)
     max_len = 48 + args.max_tokens
     workdir_q = os.path.join(workdir, "quantized")
     engines = {arm: create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
@@ -286,6 +314,205 @@ def throughput(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- decode
+CPU_FLAG_PATTERN = r"avx512[a-z_0-9]*|avx_vnni|amx[a-z_0-9]*"  # what the docs quote of /proc/cpuinfo
+WARMUP_TOKENS = 8  # generated per prompt in the warm-up round (module doc)
+
+
+def word_problem_prompts(ckpt: str, n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of lengths uniform in [min_len, max_len]: word-problem text (tasks/word_problems.py), a
+    different run of problems per prompt, in the checkpoint's own tokenizer, cut to the drawn length."""
+    import numpy as np
+
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.tasks.word_problems import WordProblemsTask
+
+    codec, task = TextCodec(ckpt), WordProblemsTask(seed=seed, num_eval=0)
+    lengths = np.random.default_rng(seed).integers(min_len, max_len + 1, n)
+    prompts = []
+    for i, length in enumerate(lengths):
+        ids, draw = [], 0
+        while len(ids) < length:  # more problems until the text is long enough (a char tokenizer needs fewer)
+            text = "\n\n".join(ex.prompt for ex in task.train_batch(i, draw, 16))
+            ids += codec.encode_prompt(text) if not ids else codec.tokenizer.encode("\n\n" + text,
+                                                                                   add_special_tokens=False)
+            draw += 1
+        prompts.append(ids[:length])
+    return prompts
+
+
+def kv_cache_bytes(ckpt: str, prompts: int, max_model_len: int) -> int:
+    """A KV cache that holds every prompt at full length in float32 (the widest engine dtype), with a
+    quarter to spare for block rounding: no request waits or is preempted, so every decode step runs all
+    prompts at once in every arm. At least the adapter's default (256 MiB: 11,520 SmolLM2 tokens), which
+    also covers whole blocks for tiny models."""
+    from portable_rl.engines.vllm_adapter import CPU_KV_CACHE_BYTES
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    return max(CPU_KV_CACHE_BYTES, int(1.25 * per_token * prompts * max_model_len))
+
+
+class _ForcedLength:
+    """Inside `with`: the adapter's `generate` samples with vLLM's `ignore_eos`, so every request decodes
+    exactly max_tokens (benchmark-only; the library's SamplingConfig stops at EOS, as rollouts must).
+
+    It swaps `vllm.SamplingParams`, which the adapter looks up when `generate` runs; `_timed_call` checks
+    the token count, so a change in that lookup fails loudly instead of measuring EOS-stopped requests."""
+
+    def __enter__(self):
+        import functools
+
+        import vllm
+
+        self._params = vllm.SamplingParams
+        vllm.SamplingParams = functools.partial(self._params, ignore_eos=True)
+
+    def __exit__(self, *exc):
+        import vllm
+
+        vllm.SamplingParams = self._params
+
+
+def _timed_call(engine, prompts, sampling) -> tuple[float, int]:
+    """(wall seconds, generated tokens) of one adapter `generate`, after a prefix-cache reset (so every call
+    prefills its prompts and no arm reuses KV entries another call computed)."""
+    engine._llm.reset_prefix_cache()
+    with _ForcedLength():
+        start = time.perf_counter()
+        rollouts = engine.generate(prompts, sampling)
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(r.response_token_ids) for r in rollouts)
+    if tokens != len(prompts) * sampling.max_tokens:
+        raise RuntimeError(f"{tokens} tokens generated, not {len(prompts)} x {sampling.max_tokens}: the forced "
+                           "length (ignore_eos) did not reach vLLM; see _ForcedLength")
+    return elapsed, tokens
+
+
+def rotated(arms: list[str], rep: int) -> list[str]:
+    """Repetition rep's order: the arms rotated by rep, so no arm always runs first (or after the same one)."""
+    k = rep % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def summarize_decode(calls: list[dict], arms: list[str]) -> dict:
+    """Per arm, medians over the measured repetitions (warm-up excluded) and the ratios (module doc)."""
+    measured = [c for c in calls if not c["warmup"]]
+    per_rep = {arm: {c["rep"]: c for c in measured if c["arm"] == arm} for arm in arms}
+    summary = {}
+    for arm in arms:
+        rows = per_rep[arm].values()
+        summary[arm] = {"generate_s": statistics.median(c["generate_s"] for c in rows),
+                        "prefill_s": statistics.median(c["prefill_s"] for c in rows),
+                        "decode_s": statistics.median(c["decode_s"] for c in rows),
+                        "decode_tokens_per_s": statistics.median(c["decode_tokens_per_s"] for c in rows),
+                        "rollout_tokens_per_s": statistics.median(c["rollout_tokens_per_s"] for c in rows)}
+    unquantized = [a for a in arms if a in UNQUANTIZED]
+    best = max(unquantized, key=lambda a: summary[a]["decode_tokens_per_s"]) if unquantized else None
+    if best:
+        for arm in arms:
+            s = summary[arm]
+            s["decode_ratio"] = s["decode_tokens_per_s"] / summary[best]["decode_tokens_per_s"]
+            s["rollout_ratio"] = s["rollout_tokens_per_s"] / summary[best]["rollout_tokens_per_s"]
+            s["decode_ratio_per_rep"] = [per_rep[arm][r]["decode_tokens_per_s"] / per_rep[best][r]["decode_tokens_per_s"]
+                                         for r in sorted(per_rep[arm])]
+    return {"best_unquantized": best, "arms": summary}
+
+
+def machine() -> dict:
+    """The CPU (model, the flags docs quote, cores), the load and the software of this run."""
+    import platform
+    import re
+    import subprocess
+
+    import torch
+    import vllm
+
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return {"cpu_model": model.group(1).strip() if model else platform.processor(),
+            "cpu_flags": sorted(set(re.findall(CPU_FLAG_PATTERN, cpuinfo))), "cpus": os.cpu_count(),
+            "git_commit": commit, "git_dirty": bool(dirty), "python": platform.python_version(),
+            "torch": torch.__version__, "vllm": vllm.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def decode(args) -> dict:
+    import datetime
+    import shlex
+
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.engines.vllm_adapter import INT8, cpu_engine_dtype
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_bench_")
+    ckpt, name, n_params = checkpoint(args, workdir)
+    prompts = word_problem_prompts(ckpt, args.prompts, *args.prompt_len)
+    max_len = max(map(len, prompts)) + args.max_tokens
+    kv_bytes = kv_cache_bytes(ckpt, len(prompts), max_len)
+    engines = {}
+    try:
+        for arm in args.arms:
+            kwargs = dict(ARMS[arm])
+            kwargs["engine_init_kwargs"] = {**kwargs.get("engine_init_kwargs", {}), "kv_cache_memory_bytes": kv_bytes}
+            engines[arm] = create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
+                                         quantized_checkpoint_root=os.path.join(workdir, "quantized"), **kwargs)
+        served_by = {arm: _served_by(engine) for arm, engine in engines.items()}
+        prefill = SamplingConfig(temperature=1.0, max_tokens=1, seed=0)
+        b = len(prompts)
+        calls = []
+        for rep in range(1 + args.reps):  # round 0 warms up
+            t = min(WARMUP_TOKENS, args.max_tokens) if rep == 0 else args.max_tokens
+            full = SamplingConfig(temperature=1.0, max_tokens=t, seed=0)
+            for position, arm in enumerate(rotated(list(engines), rep)):
+                generate_s, _ = _timed_call(engines[arm], prompts, full)
+                prefill_s, _ = _timed_call(engines[arm], prompts, prefill)
+                decode_s = generate_s - prefill_s
+                calls.append({"rep": rep, "warmup": rep == 0, "arm": arm, "position": position,
+                              "dtype": served_by[arm].split(",")[0], "served_by": served_by[arm],
+                              "generated_tokens": b * t, "prefill_tokens": sum(map(len, prompts)),
+                              "generate_s": generate_s, "prefill_s": prefill_s, "decode_s": decode_s,
+                              "decode_tokens_per_s": b * (t - 1) / decode_s, "rollout_tokens_per_s": b * t / generate_s})
+                print(f"rollout --decode: rep {rep} {arm}: {b * t} tokens in {generate_s:.2f} s, prefill {prefill_s:.2f} s, "
+                      f"decode {b * (t - 1) / decode_s:.1f} tok/s{' (warm-up)' if rep == 0 else ''}",
+                      file=sys.stderr, flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    int8_dtype, int8_why = cpu_engine_dtype(quantization=INT8)
+    return {"mode": "decode", "command": shlex.join([sys.executable, "-m", "benchmarks.rollout", *sys.argv[1:]]),
+            "started_utc": started.isoformat(timespec="seconds"),
+            "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average_before": load_before, "load_average_after": os.getloadavg(), **machine(),
+            "model": name, "params": n_params, "prompts": b, "max_tokens": args.max_tokens, "reps": args.reps,
+            "prompt_tokens": {"min": min(map(len, prompts)), "mean": sum(map(len, prompts)) / b,
+                              "max": max(map(len, prompts))},
+            "max_model_len": max_len, "kv_cache_memory_bytes": kv_bytes,
+            "adapter_int8_dtype": {"dtype": int8_dtype, "why": int8_why}, "served_by": served_by,
+            **summarize_decode(calls, list(engines)), "calls": calls}
+
+
+def print_decode(r: dict) -> None:
+    print(f"model {r['model']} ({r['params'] / 1e6:.1f}M params), {r['prompts']} prompts of "
+          f"{r['prompt_tokens']['min']}-{r['prompt_tokens']['max']} tokens x {r['max_tokens']} generated, "
+          f"median of {r['reps']} rotated repetitions; {r['cpu_model']}, {r['cpus']} CPUs, load "
+          f"{r['load_average_before'][0]:.1f} -> {r['load_average_after'][0]:.1f}")
+    print(f"CPU flags: {' '.join(r['cpu_flags']) or 'none of avx512* / avx_vnni / amx*'}; the adapter serves INT8 "
+          f"with {r['adapter_int8_dtype']['dtype']} glue ({r['adapter_int8_dtype']['why']})")
+    for arm, s in r["arms"].items():
+        ratio = (f"  decode {s['decode_ratio']:5.2f}x {r['best_unquantized']} "
+                 f"(reps {min(s['decode_ratio_per_rep']):.2f}-{max(s['decode_ratio_per_rep']):.2f}), "
+                 f"rollout {s['rollout_ratio']:5.2f}x" if r["best_unquantized"] else "")
+        print(f"  {arm:<22} generate {s['generate_s']:7.2f} s  prefill {s['prefill_s']:6.2f} s  "
+              f"decode {s['decode_tokens_per_s']:8.1f} tok/s  rollout {s['rollout_tokens_per_s']:8.1f} tok/s"
+              f"{ratio}  [{r['served_by'][arm]}]")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default=None, help="print the step-time breakdown of this run and exit")
@@ -294,9 +521,15 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024, help="multiple of 256 (head_dim 64, 4 q per kv)")
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--decode", action="store_true",
+                        help="rollout-length decode: forced length, realistic prompts, prefill timed apart (module doc)")
+    parser.add_argument("--prompts", type=int, default=None, help="default 16; with --decode 32")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 32; with --decode 256 (exactly)")
+    parser.add_argument("--reps", type=int, default=None, help="default 2; with --decode 5")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"),
+                        help="--decode: prompt lengths, uniform in [MIN, MAX] tokens")
+    parser.add_argument("--out", default=None,
+                        help="--decode: write every call's raw numbers here (docs/data/rollout_decode/<date>_<cpu>_<model>.json)")
     parser.add_argument("--workdir", default=None, help="where the checkpoint goes (reused if present)")
     parser.add_argument("--model", default=None, help="an HF checkpoint directory instead of a random Qwen2")
     parser.add_argument("--fp8-baseline", action="store_true",
@@ -314,6 +547,24 @@ def main():
         return
     if args.hidden % 256:
         sys.exit(f"--hidden {args.hidden} must be a multiple of 256 (head_dim 64, 4 query heads per kv head)")
+    defaults = dict(prompts=32, max_tokens=256, reps=5) if args.decode else dict(prompts=16, max_tokens=32, reps=2)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.decode:
+        if args.fp8_baseline or args.support_cost:
+            sys.exit("--decode measures the --arms engines only; run --fp8-baseline / --support-cost without it")
+        if args.max_tokens < 2 or args.prompt_len[0] < 1 or args.prompt_len[0] > args.prompt_len[1]:
+            sys.exit(f"--decode needs --max-tokens >= 2 (got {args.max_tokens}) and 1 <= MIN <= MAX for --prompt-len")
+        r = decode(args)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(r, f, indent=1)
+        print(json.dumps(r)) if args.json else print_decode(r)
+        return
+    if args.out:
+        sys.exit("--out is for --decode (the raw per-call file)")
     r = throughput(args)
     if args.json:
         print(json.dumps(r))

@@ -178,6 +178,88 @@ def test_rollout_throughput_arms_name_their_kernels(tmp_path):
     assert all(n > 0 for n in out["generated_tokens"].values())
 
 
+def test_rollout_decode_summary_ratios_against_the_faster_unquantized_arm():
+    """The decode mode's arithmetic on made-up calls: medians over measured repetitions (warm-up excluded),
+    best unquantized = the fp32 / bf16 arm of higher median decode tokens/s, ratios of medians and per rep."""
+    from benchmarks.rollout import rotated, summarize_decode
+
+    b, t = 4, 11  # prompts, max_tokens: decode tokens/s = 4 * 10 / decode_s
+
+    def call(rep, arm, generate_s, prefill_s):
+        d = generate_s - prefill_s
+        return {"rep": rep, "warmup": rep == 0, "arm": arm, "generate_s": generate_s, "prefill_s": prefill_s,
+                "decode_s": d, "decode_tokens_per_s": b * (t - 1) / d, "rollout_tokens_per_s": b * t / generate_s}
+
+    times = {"bf16": [9.0, 5.0, 4.0, 6.0], "fp32": [9.0, 3.0, 2.0, 2.5], "int8_per_channel": [9.0, 2.0, 1.5, 1.0]}
+    calls = [call(rep, arm, times[arm][rep] + 1.0, 1.0) for rep in range(4) for arm in times]
+    s = summarize_decode(calls, list(times))
+    assert s["best_unquantized"] == "fp32"  # fp32 decodes faster here, so it is the baseline
+    fp32, int8 = s["arms"]["fp32"], s["arms"]["int8_per_channel"]
+    assert fp32["decode_s"] == 2.5 and fp32["decode_tokens_per_s"] == pytest.approx(40 / 2.5)  # warm-up 9.0 left out
+    assert int8["decode_tokens_per_s"] == pytest.approx(40 / 1.5)
+    assert int8["decode_ratio"] == pytest.approx((40 / 1.5) / (40 / 2.5))
+    assert int8["rollout_ratio"] == pytest.approx((44 / 2.5) / (44 / 3.5))
+    assert int8["decode_ratio_per_rep"] == pytest.approx([3.0 / 2.0, 2.0 / 1.5, 2.5 / 1.0])
+    assert fp32["decode_ratio"] == 1.0 and s["arms"]["bf16"]["decode_ratio"] == pytest.approx(2.5 / 5.0)
+    assert [rotated(["a", "b", "c"], rep) for rep in range(4)] == [["a", "b", "c"], ["b", "c", "a"],
+                                                                    ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_rollout_decode_forces_the_length_where_the_adapter_builds_its_sampling_params():
+    """`--decode` forces every request to max_tokens by swapping `vllm.SamplingParams` for one with ignore_eos
+    while `generate` runs; that reaches vLLM only while the adapter looks the class up at call time."""
+    import inspect
+
+    import vllm
+
+    from benchmarks.rollout import _ForcedLength
+    from portable_rl.engines.vllm_adapter import VLLMEngine
+
+    assert "from vllm import SamplingParams" in inspect.getsource(VLLMEngine.generate)
+    original = vllm.SamplingParams
+    with _ForcedLength():
+        assert vllm.SamplingParams(max_tokens=3).ignore_eos
+    assert vllm.SamplingParams is original and not vllm.SamplingParams(max_tokens=3).ignore_eos
+
+
+@pytest.mark.slow
+def test_rollout_decode_writes_every_call(tmp_path):
+    """`--decode` end to end on the tiny model (2 arms, 2 reps, 4 tokens: structure, not speed): the raw file
+    holds every call of every arm and repetition at the forced length, and its summary follows from the calls."""
+    import re
+    import statistics
+
+    from benchmarks.rollout import WARMUP_TOKENS
+
+    out_file = tmp_path / "decode.json"
+    stdout = run([sys.executable, "-m", "benchmarks.rollout", "--decode", "--tiny", "--prompts", "2", "--max-tokens", "4",
+                  "--reps", "2", "--prompt-len", "8", "12", "--arms", "bf16", "int8_per_channel",
+                  "--workdir", str(tmp_path), "--out", str(out_file), "--json"], 300)
+    r = json.loads(out_file.read_text())
+    assert r == json.loads(stdout.splitlines()[-1])
+    assert (r["mode"], r["prompts"], r["max_tokens"], r["reps"]) == ("decode", 2, 4, 2)
+    assert "--decode" in r["command"] and re.fullmatch(r"[0-9a-f]{40}", r["git_commit"])
+    assert r["cpu_model"] and all(re.fullmatch(r"avx512[a-z_0-9]*|avx_vnni|amx[a-z_0-9]*", f) for f in r["cpu_flags"])
+    assert 8 <= r["prompt_tokens"]["min"] <= r["prompt_tokens"]["max"] <= 12
+    # the INT8 arm runs the glue dtype the adapter picks on this box, with an int8 kernel
+    assert r["served_by"]["int8_per_channel"].startswith(r["adapter_int8_dtype"]["dtype"] + ", CPUInt8ScaledMM")
+    calls = r["calls"]
+    assert len(calls) == 2 * 3 and [c["warmup"] for c in calls] == [True, True] + [False] * 4
+    assert [c["arm"] for c in calls] == ["bf16", "int8_per_channel", "int8_per_channel", "bf16", "bf16",
+                                         "int8_per_channel"]  # rotated one arm per repetition
+    for c in calls:
+        t = min(WARMUP_TOKENS, 4) if c["warmup"] else 4
+        assert c["generated_tokens"] == 2 * t and c["served_by"] == r["served_by"][c["arm"]]
+        assert c["decode_s"] == pytest.approx(c["generate_s"] - c["prefill_s"])
+        assert c["decode_tokens_per_s"] == pytest.approx(2 * (t - 1) / c["decode_s"])
+    assert r["best_unquantized"] == "bf16"
+    for arm, s in r["arms"].items():
+        measured = [c for c in calls if c["arm"] == arm and not c["warmup"]]
+        assert s["decode_tokens_per_s"] == pytest.approx(statistics.median(c["decode_tokens_per_s"] for c in measured))
+        assert s["decode_ratio"] == pytest.approx(s["decode_tokens_per_s"] / r["arms"]["bf16"]["decode_tokens_per_s"])
+    assert r["arms"]["bf16"]["decode_ratio"] == 1.0
+
+
 @pytest.mark.slow
 def test_learner_memory_tiny_reports_old_and_new_peak():
     out = run([sys.executable, "-m", "benchmarks.learner_memory", "--model", "tiny", "--tokens_per_device", "256",
