@@ -238,14 +238,14 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
     try:
         parse_gin(args.gin_file, args.gin_bindings, args.gin_search_paths)
     except (ValueError, TypeError, KeyError, IOError) as e:
-        _exit_with(e)
+        exit_gin_error(e)
     try:
         main()
     except Exception as e:
         if os.environ.get("PORTABLE_RL_TRACEBACK"):
             raise
         if isinstance(e, (ValueError, TypeError)) and "Required bindings" in str(e):
-            _exit_with(e)
+            exit_gin_error(e)
         if isinstance(e, USER_ERRORS):
             raise SystemExit(f"error: {one_line(e)}") from e
         raise
@@ -257,7 +257,7 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _exit_with(e: BaseException):
+def exit_gin_error(e: BaseException):
     if os.environ.get("PORTABLE_RL_TRACEBACK"):
         raise e
     msg = " ".join(str(e).split())

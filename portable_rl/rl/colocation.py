@@ -208,7 +208,12 @@ class MemoryPlan:
             device_memory_bytes, device_source = self._device_memory()
         if device_memory_bytes is None:
             return Budget(plan=self, active=False, device_source=device_source)
-        fp = self._footprint(device_memory_bytes)
+        return self.decide_footprint(self._footprint(device_memory_bytes), environ, device_source)
+
+    def decide_footprint(self, fp: "Footprint", environ: Mapping[str, str] = os.environ,
+                         device_source: str = "") -> "Budget":
+        """The budget for sizes already known (`Footprint`: the planner's, from config.json and XLA's compile);
+        raises MemoryPlanError when it cannot fit."""
         m = fp.device
         xla_env = xla_env_for(self.sleep_engine, environ)
         preallocates = environ.get(PREALLOCATE, xla_env.get(PREALLOCATE, "true")).lower() not in ("false", "0")
