@@ -37,8 +37,9 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from portable_rl import gin_utils
 from portable_rl.errors import ConfigError, UserError
-from portable_rl.planning.engine import QUANTIZATIONS, engine_memory
+from portable_rl.planning.engine import EngineSettings, engine_memory
 from portable_rl.planning.gpus import gpu_memory_gb
 from portable_rl.planning.learner_peak import PeakRequest, predict_peak_in_subprocess
 
@@ -50,89 +51,6 @@ LENGTH_MACROS = ("MAX_MODEL_LEN", "MAX_RESPONSE_TOKENS")
 
 
 # ------------------------------------------------------------------------------------------- gin reading
-def _resolve(value):
-    """A binding's value with every %MACRO inside it (dicts, lists) replaced by the macro's value."""
-    import gin
-
-    if isinstance(value, gin.config.ConfigurableReference) and value.configurable.name == "macro":
-        return _resolve(gin.query_parameter(f"{value.scoped_selector}.value"))
-    if isinstance(value, dict):
-        return {k: _resolve(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_resolve(v) for v in value)
-    return value
-
-
-def _bound(name: str, default=None):
-    """The resolved value bound to `name` ('scope/module.fn.param' or 'MACRO'), else `default`."""
-    import gin
-
-    key = f"{name}/gin.macro.value" if "." not in name else name
-    try:
-        return _resolve(gin.query_parameter(key))
-    except ValueError:
-        return default
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSettings:
-    """What the run's engine binding says about memory (gin/engines/*.gin)."""
-
-    name: str
-    quantization: Optional[str]
-    tensor_parallel: int
-    max_model_len: int
-    memory_fraction: Optional[float]   # vLLM gpu_memory_utilization / SGLang mem_fraction_static; None: default
-    sleep_capable: bool
-
-
-def engine_settings() -> EngineSettings:
-    import gin
-
-    try:
-        ref = gin.query_parameter("train.engine_factory")
-        while isinstance(ref, gin.config.ConfigurableReference) and ref.configurable.name == "macro":
-            ref = gin.query_parameter(f"{ref.scoped_selector}.value")
-    except ValueError:
-        raise ConfigError("the config binds no train.engine_factory; compose an engine file "
-                          "(--gin_file=gin/engines/vllm.gin)") from None
-    prefix = "/".join(ref.scopes + [ref.configurable.selector])
-    name = _bound(f"{prefix}.name")
-    kwargs = _bound(f"{prefix}.engine_init_kwargs", {}) or {}
-    if name == "vllm":
-        return EngineSettings(name, kwargs.get("quantization"), int(kwargs.get("tensor_parallel_size", 1)),
-                              int(_bound(f"{prefix}.max_model_len", 2048)),
-                              kwargs.get("gpu_memory_utilization", _bound(f"{prefix}.gpu_memory_utilization")), True)
-    if name == "sglang":
-        length = kwargs.get("context_length", _bound("MAX_MODEL_LEN"))
-        if length is None:
-            raise ConfigError("SGLang engine: set 'context_length' in ENGINE_KWARGS (the planner sizes the KV cache "
-                              "from it)")
-        return EngineSettings(name, _bound(f"{prefix}.fp8_mode"), int(kwargs.get("tp_size", 1)), int(length),
-                              kwargs.get("mem_fraction_static"), bool(_bound(f"{prefix}.sleep_mode", False)))
-    raise ConfigError(f"engine {name!r}: the planner sizes 'vllm' and 'sglang' engines; plan a Ray fleet per "
-                      "engine node with gin/engines/vllm.gin")
-
-
-def memory_plan_fields() -> Optional[dict]:
-    """The `MemoryPlan` fields the config binds (gin/colocate.gin), or None when train.memory_plan is unbound."""
-    import gin
-
-    from portable_rl.rl.colocation import MemoryPlan
-
-    try:
-        if gin.query_parameter("train.memory_plan") is None:
-            return None
-    except ValueError:
-        return None
-    fields = {}
-    for f in dataclasses.fields(MemoryPlan):
-        value = _bound(f"MemoryPlan.{f.name}", dataclasses.MISSING)
-        if value is not dataclasses.MISSING:
-            fields[f.name] = value
-    return fields
-
-
 # ------------------------------------------------------------------------------- gin files: silent traps
 def unused_macros() -> list[str]:
     """Macros bound (by a file or --gin.NAME) that no binding reads, directly or through a read macro."""
@@ -255,13 +173,15 @@ def micro_batch_layout(memory, *, sequences: int, shards: int, max_len: int) -> 
 # ------------------------------------------------------------------------------------------- planning
 @dataclasses.dataclass
 class Plan:
+    """What `plan` found: the printed lines, the verdict, and the numbers (`--json`)."""
+
     lines: list
     fits: bool
     data: dict
 
 
 def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, algorithm,
-         engine: EngineSettings, plan_fields: Optional[dict], environ: Mapping[str, str],
+         engine: EngineSettings, memory_plan, environ: Mapping[str, str],
          full_compile: bool = False) -> Plan:
     """The plan of a run (module doc) from its config objects; compiles the learner update (cached)."""
     from portable_rl.learner_jax.sharding import mesh_shape
@@ -296,9 +216,8 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     grads = learner["grad_accumulator_bytes"]
     temp_part = peak - state - grads
     em = engine_memory(hf, engine.quantization, engine.tensor_parallel)
-    overhead_gb = (plan_fields or {}).get("engine_overhead_gb", 3.0)
-    asleep_gb = (plan_fields or {}).get("engine_asleep_gb", 2.0)
-    reserve_gb = (plan_fields or {}).get("reserve_gb", 2.0)
+    costs = memory_plan or MemoryPlan(learner_peak_gb=None)   # the engine's and the runtime's allowances
+    overhead_gb, asleep_gb, reserve_gb = costs.engine_overhead_gb, costs.engine_asleep_gb, costs.reserve_gb
     batch_seqs = algorithm.data.prompt_batch_size * gen.n_samples
 
     lines.append(f"model    {model_source}: {em.params / 1e9:.2f} B params, {hf['num_hidden_layers']} layers, "
@@ -333,25 +252,16 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     fits, why, suggestions = True, "", []
     if engine.tensor_parallel > gpus:
         fits, why = False, f"the engine's tensor_parallel_size {engine.tensor_parallel} > {gpus} GPUs"
-    if plan_fields is not None:   # colocated: gin/colocate.gin's MemoryPlan, with the sizes planned here
+    if memory_plan is not None:   # colocated: gin/colocate.gin's MemoryPlan, with the sizes planned here
         if engine.name != "vllm":
             raise ConfigError(f"gin/colocate.gin plans a vLLM engine's gpu_memory_utilization, not {engine.name}'s; "
                               "drop gin/colocate.gin and bound both sides yourself: export "
                               "XLA_PYTHON_CLIENT_MEM_FRACTION and set the engine's memory share (SGLang: "
                               "mem_fraction_static in ENGINE_KWARGS)")
-        fields = {**plan_fields, "learner_peak_gb": peak / GB, "engine_tensor_parallel": em.tensor_parallel,
-                  "learner_shards": learner_devices, "device_memory_gb": device_gb, "model_path": ""}
-        mp = MemoryPlan(**fields)
-        for knob, value, want in (("LEARNER_SHARDS", plan_fields.get("learner_shards", 1), learner_devices),
-                                  ("ENGINE_TENSOR_PARALLEL", plan_fields.get("engine_tensor_parallel", 1),
-                                   em.tensor_parallel)):
-            if value != want:
-                warnings.append(f"{knob}={value} but the run has {want}: the run-time plan would size the wrong "
-                                f"split; set --gin.{knob}={want}")
-        given = plan_fields.get("learner_peak_gb")
-        if given is not None and given * GB < peak:
-            warnings.append(f"LEARNER_PEAK_GB={given} is below the planned peak {peak / GB:.1f}; set it to "
-                            f"{math.ceil(peak / GB)} or more")
+        mp = dataclasses.replace(memory_plan, learner_peak_gb=peak / GB, device_memory_gb=device_gb)
+        if memory_plan.learner_peak_gb is not None and memory_plan.learner_peak_gb * GB < peak:
+            warnings.append(f"LEARNER_PEAK_GB={memory_plan.learner_peak_gb} is below the planned peak {peak / GB:.1f}; "
+                            f"set it to {math.ceil(peak / GB)} or more")
         fp = Footprint(device=m, learner_peak=peak, learner_resident=state, engine_weights=em.weights,
                        kv_per_token=em.kv_per_token, reserve=reserve_gb * GB)
         layout = "colocated, " + ("time-shared (the engine sleeps through the update)" if mp.sleep_engine
@@ -409,10 +319,10 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
             suggestions.append(f"export XLA_PYTHON_CLIENT_MEM_FRACTION={f_l:.2f} and set mem_fraction_static={s_max:.2f} "
                                f"in ENGINE_KWARGS (KV cache ({s_max:.2f} - {f_l:.2f}) x {device_gb:.1f} GB - weights)")
     if not fits:
-        then = "" if plan_fields is not None or engine.name != "vllm" else "with gin/colocate.gin: "
+        then = "" if memory_plan is not None or engine.name != "vllm" else "with gin/colocate.gin: "
         suggestions += [then + s for s in _suggest(peak=peak, state=state, grads=grads, learner_devices=learner_devices, m=m, em=em,
                                 hf=hf, engine=engine, gpus=gpus, overhead=overhead_gb * GB, asleep=asleep_gb * GB,
-                                reserve=reserve_gb * GB, max_len=max_len, memory=memory, colocated=plan_fields, mesh=mesh)]
+                                reserve=reserve_gb * GB, max_len=max_len, memory=memory, colocated=memory_plan, mesh=mesh)]
     lines.append(("verdict  FITS: " if fits else "verdict  DOES NOT FIT: ") + why)
     for s in suggestions:
         lines.append(f"         change: {s}")
@@ -461,11 +371,11 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
         engine_phase = total_state / n + reserve + e.weights + overhead + max_len * e.kv_per_token
         return learner_phase <= m and engine_phase <= m
 
-    if colocated is not None and not colocated.get("sleep_engine", False) and fits_on(gpus, em.tensor_parallel):
+    if colocated is not None and not colocated.sleep_engine and fits_on(gpus, em.tensor_parallel):
         out.append("SLEEP_ENGINE=True (time-shared)")
     for tp in (2, 4, 8):
         if em.tensor_parallel < tp <= gpus and fits_on(gpus, tp):
-            out.append(f"the engine's tensor_parallel_size={tp} (ENGINE_KWARGS; ENGINE_TENSOR_PARALLEL={tp})")
+            out.append(f"the engine's tensor_parallel_size={tp} (ENGINE_KWARGS)")
             break
     if temp + asleep + reserve > m / 2 and mesh[2] == 1:
         out.append("a tensor axis in the learner's mesh (--gin.MESH_TENSOR=8: each layer's gathered weights and "
@@ -488,8 +398,6 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
 
 # ------------------------------------------------------------------------------------------- CLI
 def parse_args(argv):
-    from portable_rl import gin_utils
-
     p = gin_utils.make_parser(__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the run (the learner's mesh spans them)")
     p.add_argument("--gpu", default=None, help="the GPU model: " + ", ".join(__import__(
@@ -503,7 +411,6 @@ def parse_args(argv):
 
 def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
     """Parses the flags and the gin files, and plans (module doc)."""
-    from portable_rl import gin_utils
     from portable_rl.train import register_gin
 
     args = parse_args(argv)
@@ -518,7 +425,7 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
     except (ValueError, TypeError, KeyError) as e:
         gin_utils.exit_gin_error(e)  # one line naming the binding
     objects = gin_utils.CONFIG_OBJECTS
-    hf, source = load_model_config(args.model_config, _bound("rl.RunConfig.model_path", _bound("MODEL_PATH")))
+    hf, source = load_model_config(args.model_config, gin_utils.bound("rl.RunConfig.model_path", gin_utils.bound("MODEL_PATH")))
     import gin
 
     try:
@@ -528,13 +435,14 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
         mesh_cfg = None
     result = plan(hf=hf, model_source=source, gpus=args.gpus, device_gb=device_gb, precision=objects["precision"](),
                   memory=objects["memory"](), mesh_cfg=mesh_cfg, algorithm=objects["algorithm"](),
-                  engine=engine_settings(), plan_fields=memory_plan_fields(), environ=environ,
+                  engine=gin_utils.engine_settings(), memory_plan=gin_utils.run_memory_plan(learner_devices=args.gpus),
+                  environ=environ,
                   full_compile=args.full_compile)
     searches = [p for s in args.gin_search_paths for p in s.split(",") if p] + gin_utils.default_search_paths()
-    result.data["warnings"] += [f"macro {name} is bound but nothing reads it" for name in unused_macros()]
-    result.data["warnings"] += length_resets(args.gin_file, args.gin_bindings, searches)
-    result.lines += [f"warning  {w}" for w in result.data["warnings"] if w not in
-                     "\n".join(result.lines)]
+    traps = [f"macro {name} is bound but nothing reads it" for name in unused_macros()]
+    traps += length_resets(args.gin_file, args.gin_bindings, searches)
+    result.data["warnings"] += traps
+    result.lines += [f"warning  {w}" for w in traps]
     return result
 
 

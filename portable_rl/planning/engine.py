@@ -43,6 +43,18 @@ def param_counts(c: dict) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What an engine's settings say about memory (the run's engine binding, gin/engines/*.gin)."""
+
+    name: str
+    quantization: Optional[str]
+    tensor_parallel: int
+    max_model_len: int
+    memory_fraction: Optional[float]   # vLLM gpu_memory_utilization / SGLang mem_fraction_static; None: default
+    sleep_capable: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineMemory:
     """One engine's memory per device, in bytes (module doc)."""
 

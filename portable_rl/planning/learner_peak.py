@@ -73,10 +73,19 @@ class PeakRequest:
         return dataclasses.replace(self, hf_config={**self.hf_config, "num_hidden_layers": layers})
 
     def key(self) -> str:
+        """The cache key: the request, JAX's version and the source of the code compiled (a change to the
+        model, the loss or the steps invalidates every cached answer)."""
         import jax
 
-        text = json.dumps({**dataclasses.asdict(self), "jax": jax.__version__, "v": 1}, sort_keys=True)
+        text = json.dumps({**dataclasses.asdict(self), "jax": jax.__version__, "code": code_digest()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def code_digest() -> str:
+    """sha256 of the learner's source: learner_jax/, rl/learner.py and this module."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "learner_jax").glob("*.py")) + [root / "rl" / "learner.py", Path(__file__).resolve()]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
 # --------------------------------------------------------------------------------------- abstract state
