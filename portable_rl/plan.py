@@ -159,12 +159,14 @@ def load_model_config(model_config: Optional[str], model_path: Optional[str]) ->
 def micro_batch_layout(memory, *, sequences: int, shards: int, max_len: int) -> tuple[int, int, int]:
     """(rows, row tokens, micro-batches) of one mini-batch per device, every sequence at its longest
     (`max_len` = prompt + response): the largest micro-batch the learner can meet."""
+    from portable_rl.rl.batching import packed_row_length
+
     per_shard = math.ceil(sequences / shards)
     budget = memory.max_tokens_per_micro_batch
     if memory.pack_sequences:
-        row = budget or per_shard * max_len
-        per_row = max(1, row // max_len)
-        return 1, row, math.ceil(per_shard / per_row)
+        if budget is None:  # one micro-batch: rows as long as the longest sequence, one full-length sequence each
+            return per_shard, packed_row_length(max_len), 1
+        return 1, budget, math.ceil(per_shard / max(1, budget // max_len))
     row = 1 << (max_len - 1).bit_length()   # one sequence per row, padded to a power of two
     rows = max(1, (budget or per_shard * row) // row)
     return rows, row, math.ceil(per_shard / rows)
@@ -377,7 +379,7 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
         if em.tensor_parallel < tp <= gpus and fits_on(gpus, tp):
             out.append(f"the engine's tensor_parallel_size={tp} (ENGINE_KWARGS)")
             break
-    if temp + asleep + reserve > m / 2 and mesh[2] == 1:
+    if temp > m / 4 and mesh[2] == 1:  # activations dominate: fsdp does not split them
         out.append("a tensor axis in the learner's mesh (--gin.MESH_TENSOR=8: each layer's gathered weights and "
                    "activations split 8 ways; re-plan)")
     if memory.remat != "full":

@@ -65,6 +65,8 @@ def test_micro_batch_layout():
     assert plan_cli.micro_batch_layout(packed, sequences=512, shards=8, max_len=5120) == (1, 16384, 22)
     rows = MemoryConfig(max_tokens_per_micro_batch=16384, pack_sequences=False)
     assert plan_cli.micro_batch_layout(rows, sequences=512, shards=8, max_len=5000) == (2, 8192, 32)
+    one_call = MemoryConfig(max_tokens_per_micro_batch=None)   # rows of the longest sequence, one micro-batch
+    assert plan_cli.micro_batch_layout(one_call, sequences=128, shards=1, max_len=64) == (128, 64, 1)
 
 
 def test_extrapolated_learner_peak_bounds_the_full_compile(tmp_path, monkeypatch):
@@ -98,6 +100,28 @@ def test_unused_macro_and_length_reset_are_flagged():
     # the other order, or a --gin binding that sets it last, is deliberate
     assert plan_cli.length_resets(files[::-1], [], gin_utils.default_search_paths()) == []
     assert plan_cli.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
+
+
+def test_verdict_exit_status_and_changes_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """The default CPU run's files, colocated, on a tiny Qwen3: fits a 20 GB device; on 5 GB the learner phase
+    fits but the engine's allowance does not, and the planner names the changes."""
+    monkeypatch.setenv("PORTABLE_RL_PLAN_CACHE", str(tmp_path / "cache"))
+    hf = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+          "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    argv = ["--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/colocate.gin", f"--gin.MODEL_PATH={tmp_path}", "--gpus", "1"]
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*argv, "--device_memory_gb", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert e.value.code == 0 and out["fits"] and out["layout"].startswith("colocated, time-shared")
+    assert out["engine"]["quantization"] == "fp8_per_channel" and out["engine"]["max_model_len"] == 64
+    gin.clear_config()
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*argv, "--device_memory_gb", "5"])
+    text = capsys.readouterr().out
+    assert e.value.code == 2 and "verdict  DOES NOT FIT: engine needs 3.0 GB" in text, text
+    assert "change: " in text
 
 
 @pytest.mark.parametrize("args, message", [
