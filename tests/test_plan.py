@@ -1,10 +1,15 @@
 """The dry-run planner (`python -m portable_rl.plan`): the engine's sizes against published parameter counts,
 the learner's depth extrapolation against a full compile, the gin traps it flags, one-line errors, and every
-GPU launch command of the docs and every GPU recipe planned to fit at its stated hardware (slow: XLA compiles)."""
+GPU launch command of the docs and every GPU recipe planned to fit at its stated hardware. The tests that compile
+are marked slow (the recipes: 1-3 min each uncached on 2 loaded cores, cached by the request's hash afterwards)."""
 
+import dataclasses
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import gin
@@ -12,7 +17,7 @@ import pytest
 
 from portable_rl import plan as plan_cli
 from portable_rl.planning.engine import engine_memory, param_counts
-from portable_rl.planning.learner_peak import PeakRequest, predict_peak_in_subprocess
+from portable_rl.planning.learner_peak import PeakRequest, extrapolate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "portable_rl" / "planning" / "configs"
@@ -69,17 +74,23 @@ def test_micro_batch_layout():
     assert plan_cli.micro_batch_layout(one_call, sequences=128, shards=1, max_len=64) == (128, 64, 1)
 
 
-def test_extrapolated_learner_peak_bounds_the_full_compile(tmp_path, monkeypatch):
-    """1- and 2-layer compiles extrapolated to 4 layers (+ the margin on temp) against the 4-layer compile."""
-    monkeypatch.setenv("PORTABLE_RL_PLAN_CACHE", str(tmp_path))
+@pytest.mark.slow  # ~30 s on an idle 2-core box, minutes under load
+def test_extrapolated_learner_peak_bounds_the_full_compile():
+    """1- and 2-layer compiles extrapolated to 4 layers (+ the margin on temp) against the 4-layer compile: one
+    process with 2 host devices (fsdp 2), three compiles of a tiny Qwen3's train step."""
     hf = {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 384, "vocab_size": 512,
           "tie_word_embeddings": False}
     memory = dict(attention_impl="blockwise", pack_sequences=True, max_tokens_per_micro_batch=256,
                   logprob_chunk_tokens=128, remat="full", share_prompts=False)
-    request = PeakRequest(hf_config=hf, mesh=(1, 2, 1), memory=memory, rows=1, row_tokens=256, micro_batches=2)
-    full = predict_peak_in_subprocess(request, layers=None)
-    extrapolated = predict_peak_in_subprocess(request)
+    request = PeakRequest(hf_config=hf, mesh=(1, 2, 1), memory=memory, rows=1, row_tokens=256, micro_batches=1)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    payload = json.dumps([dataclasses.asdict(request.with_layers(n)) for n in (1, 2, 4)])
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.planning.learner_peak"], input=payload, env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two, full = json.loads(proc.stdout.strip().splitlines()[-1])
+    extrapolated = extrapolate({1: one, 2: two}, 4)
     assert extrapolated["params_bytes"] == full["params_bytes"]          # state is exactly linear in layers
     assert extrapolated["optimizer_bytes"] == full["optimizer_bytes"]
     assert full["peak_bytes_per_device"] <= extrapolated["peak_bytes_per_device"] <= 1.3 * full["peak_bytes_per_device"]
@@ -102,6 +113,7 @@ def test_unused_macro_and_length_reset_are_flagged():
     assert plan_cli.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
 
 
+@pytest.mark.slow  # one tiny compile; ~15 s idle, minutes under load
 def test_verdict_exit_status_and_changes_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     """The default CPU run's files, colocated, on a tiny Qwen3: fits a 20 GB device; on 5 GB the learner phase
     fits but the engine's allowance does not, and the planner names the changes."""
