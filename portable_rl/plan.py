@@ -189,6 +189,10 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     from portable_rl.learner_jax.sharding import mesh_shape
     from portable_rl.rl.colocation import Footprint, MemoryPlan, MemoryPlanError
 
+    if memory_plan is not None and engine.name != "vllm":
+        raise ConfigError(f"gin/colocate.gin plans a vLLM engine's gpu_memory_utilization, not {engine.name}'s; drop "
+                          "gin/colocate.gin and bound both sides yourself: export XLA_PYTHON_CLIENT_MEM_FRACTION and set "
+                          "the engine's memory share (SGLang: mem_fraction_static in ENGINE_KWARGS)")
     m = device_gb * GB
     lines, warnings = [], []
     learner_devices = gpus if mesh_cfg is not None else 1
@@ -255,11 +259,6 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     if engine.tensor_parallel > gpus:
         fits, why = False, f"the engine's tensor_parallel_size {engine.tensor_parallel} > {gpus} GPUs"
     if memory_plan is not None:   # colocated: gin/colocate.gin's MemoryPlan, with the sizes planned here
-        if engine.name != "vllm":
-            raise ConfigError(f"gin/colocate.gin plans a vLLM engine's gpu_memory_utilization, not {engine.name}'s; "
-                              "drop gin/colocate.gin and bound both sides yourself: export "
-                              "XLA_PYTHON_CLIENT_MEM_FRACTION and set the engine's memory share (SGLang: "
-                              "mem_fraction_static in ENGINE_KWARGS)")
         mp = dataclasses.replace(memory_plan, learner_peak_gb=peak / GB, device_memory_gb=device_gb)
         if memory_plan.learner_peak_gb is not None and memory_plan.learner_peak_gb * GB < peak:
             warnings.append(f"LEARNER_PEAK_GB={memory_plan.learner_peak_gb} is below the planned peak {peak / GB:.1f}; "
