@@ -335,8 +335,6 @@ def run_memory_plan(binding: str = "train.memory_plan", learner_devices: int | N
     plan = value.scoped_configurable_fn() if isinstance(value, gin.config.ConfigurableReference) else value
     if plan is None:
         return None
-    import dataclasses
-
     from portable_rl.rl.colocation import MemoryPlan, detect_device_memory
 
     if not isinstance(plan, MemoryPlan):
@@ -358,11 +356,8 @@ def run_memory_plan(binding: str = "train.memory_plan", learner_devices: int | N
             learner_devices = max(1, detect_device_memory()[1]) * processes
         _, fsdp, tensor = mesh_shape(mesh, learner_devices)
         shards = fsdp * tensor
-    return dataclasses.replace(
-        plan, model_path=str(bound("rl.RunConfig.model_path", "")), engine=engine.name,
-        quantization=engine.quantization, max_model_len=engine.max_model_len,
-        engine_tensor_parallel=engine.tensor_parallel, learner_shards=shards, param_dtype=precision.param_dtype,
-        master_dtype=precision.master_dtype)
+    return plan.for_run(model_path=bound("rl.RunConfig.model_path", ""), precision=precision, learner_shards=shards,
+                        engine=engine)
 
 
 def resolve(value):

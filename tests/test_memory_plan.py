@@ -198,3 +198,27 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
     assert budget.plan.engine_tensor_parallel == 8 and budget.plan.learner_shards == 8
     assert budget.learner_resident_bytes == pytest.approx(params * 14 / 8)
     assert budget.engine_fraction == math.floor((141 * GB - params * 14 / 8 - 2 * GB) / (141 * GB) * 100) / 100
+
+
+def test_gin_and_python_complete_the_plan_from_the_same_config(tmp_path):
+    """gin (gin_utils.run_memory_plan) and a Python caller (MemoryPlan.for_run, as train() does for the checkpoint and
+    dtypes) arrive at the same plan: nothing is repeated in gin/colocate.gin."""
+    import gin
+
+    from portable_rl import gin_utils
+    from portable_rl.planning.engine import EngineSettings
+    from portable_rl.rl.config import PrecisionConfig
+    from portable_rl.train import register_gin
+
+    gin.clear_config()
+    try:
+        register_gin()
+        gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin"],
+                            ["MODEL_PATH = '/ckpt/qwen2_5_7b'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'"])
+        from_gin = gin_utils.run_memory_plan(learner_devices=8)
+    finally:
+        gin.clear_config()
+    from_python = MemoryPlan(learner_peak_gb=64, sleep_engine=True).for_run(
+        model_path="/ckpt/qwen2_5_7b", precision=PrecisionConfig(param_dtype="bfloat16", compute_dtype="bfloat16"),
+        learner_shards=8, engine=EngineSettings("vllm", "fp8", 1, 10240, 0.6, True))
+    assert from_gin == from_python

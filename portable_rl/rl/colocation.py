@@ -201,6 +201,21 @@ class MemoryPlan:
     engine_weights_gb: Optional[float] = None
     learner_resident_gb: Optional[float] = None
 
+    def for_run(self, *, model_path, precision, learner_shards: Optional[int] = None,
+                engine=None) -> "MemoryPlan":
+        """This plan with the run's own settings filled in, so none is set twice: the checkpoint and the learner's
+        dtypes (`rl.PrecisionConfig`) always; the learner's shards (fsdp x tensor) and the engine's
+        (`planning.engine.EngineSettings`: name, quantization, length, tensor-parallel size) when given. `train()`
+        calls it with what it knows; the gin entry points with everything (`gin_utils.run_memory_plan`)."""
+        fields = dict(model_path=str(model_path), param_dtype=precision.param_dtype,
+                      master_dtype=precision.master_dtype)
+        if learner_shards is not None:
+            fields["learner_shards"] = learner_shards
+        if engine is not None:
+            fields.update(engine=engine.name, quantization=engine.quantization, max_model_len=engine.max_model_len,
+                          engine_tensor_parallel=engine.tensor_parallel)
+        return dataclasses.replace(self, **fields)
+
     def decide(self, environ: Mapping[str, str] = os.environ, device_memory_bytes: Optional[float] = None,
                device_source: str = "") -> "Budget":
         """The budget on this machine; raises MemoryPlanError when it cannot fit. `device_memory_bytes`
