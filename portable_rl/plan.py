@@ -316,9 +316,10 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
                                "update, XLA without preallocation)")
         else:
             f_l = math.ceil((peak + reserve_gb * GB / 2) / m * 100) / 100
-            s_max = math.floor((1 - (overhead_gb + reserve_gb) * GB / m) * 100) / 100
+            free = (1 - f_l) * m - reserve_gb * GB
+            s_max = math.floor((1 - overhead_gb * GB / free) * 100) / 100
             suggestions.append(f"export XLA_PYTHON_CLIENT_MEM_FRACTION={f_l:.2f} and set mem_fraction_static={s_max:.2f} "
-                               f"in ENGINE_KWARGS (KV cache ({s_max:.2f} - {f_l:.2f}) x {device_gb:.1f} GB - weights)")
+                               f"in ENGINE_KWARGS (KV cache {s_max:.2f} x {free / GB:.1f} GB free - weights)")
     if not fits:
         then = "" if memory_plan is not None or engine.name != "vllm" else "with gin/colocate.gin: "
         suggestions += [then + s for s in _suggest(peak=peak, state=state, grads=grads, learner_devices=learner_devices, m=m, em=em,
@@ -334,27 +335,28 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
 
 
 def _sglang_resident(*, xla, share, m, peak, em, max_len, overhead, reserve):
-    """SGLang beside a preallocated learner. SGLang sizes its KV cache after loading the weights as
-    rest = free - total · (1 - mem_fraction_static) (sglang ModelRunner.profile_max_num_token): it assumes the
-    GPU is its own, so the learner's share f_L must sit inside mem_fraction_static s:
+    """SGLang beside a preallocated learner. SGLang takes the GPU's free memory F when it starts (after the
+    learner's pool and runtime) and sizes its KV cache after loading the weights as
+    rest = free - F · (1 - mem_fraction_static) (sglang model_runner_kv_cache_mixin.py profile_max_num_token):
 
-        KV cache = (s - f_L) · M - weights  >=  one MAX_MODEL_LEN sequence,   (1 - s) · M >= overhead + reserve
+        F = (1 - f_L) · M - reserve,   KV cache = s · F - weights >= one MAX_MODEL_LEN sequence,
+        (1 - s) · F >= SGLang's activations and CUDA graphs (the overhead)
     """
+    layout = (f"no memory plan: XLA holds {xla:.2f} of each learner GPU; SGLang on GPU 0..{em.tensor_parallel - 1} "
+              f"takes mem_fraction_static {share} of the memory then free")
     if share is None:
-        return False, ("SGLang's mem_fraction_static is unset (SGLang picks one per GPU); set it in ENGINE_KWARGS"), \
-            "no memory plan: SGLang beside XLA's pool", 0.0
-    layout = (f"no memory plan: XLA holds {xla:.2f} of each learner GPU, SGLang's mem_fraction_static {share:.2f} "
-              f"covers it, the engine's weights and KV cache on GPU 0..{em.tensor_parallel - 1}")
-    kv_room = (share - xla) * m - em.weights
+        return False, "SGLang's mem_fraction_static is unset (SGLang picks one per GPU); set it in ENGINE_KWARGS", \
+            layout, 0.0
+    free = (1 - xla) * m - reserve
+    kv_room = share * free - em.weights
     if peak > xla * m:
         return False, f"learner peak {peak / GB:.1f} GB > XLA's share {xla:.2f} x {m / GB:.1f} GB", layout, kv_room
     if kv_room < max_len * em.kv_per_token:
-        return False, (f"SGLang's KV cache (mem_fraction_static {share:.2f} - XLA's {xla:.2f}) x {m / GB:.1f} GB - "
-                       f"weights {em.weights / GB:.1f} GB = {kv_room / GB:.1f} GB cannot hold one {max_len}-token "
-                       "sequence: SGLang counts the learner's memory inside its fraction"), layout, kv_room
-    if (1 - share) * m < overhead + reserve:
-        return False, (f"mem_fraction_static {share:.2f} leaves {(1 - share) * m / GB:.1f} GB for SGLang's activations "
-                       f"and the learner's runtime, < {(overhead + reserve) / GB:.1f} GB"), layout, kv_room
+        return False, (f"SGLang's KV cache {share:.2f} x {free / GB:.1f} GB free - weights {em.weights / GB:.1f} GB = "
+                       f"{kv_room / GB:.1f} GB cannot hold one {max_len}-token sequence"), layout, kv_room
+    if (1 - share) * free < overhead:
+        return False, (f"mem_fraction_static {share:.2f} leaves {(1 - share) * free / GB:.1f} GB of the {free / GB:.1f} GB "
+                       f"free for SGLang's activations, < {overhead / GB:.1f} GB"), layout, kv_room
     return True, "", layout, kv_room
 
 
