@@ -69,7 +69,8 @@ import time
 import traceback
 
 from benchmarks import bench_common
-from benchmarks.learner_memory import MODELS, compile_update
+from benchmarks.learner_memory import MODELS
+from portable_rl.planning.learner_peak import compile_update
 
 # dense bf16 FLOP/s without sparsity, by a substring of torch.cuda.get_device_name (NVIDIA datasheets)
 PEAK_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12))
@@ -288,7 +289,7 @@ def cut_layers_to_fit(arm: Arm, dry_run: bool, capacity: float, cudnn: bool) -> 
     fits `capacity`."""
     import jax
 
-    from benchmarks.learner_memory import predict_update_memory
+    from portable_rl.planning.learner_peak import predict_update_memory
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 
     rows, row_tokens, micro_batches = micro_batch_shape(arm, dry_run)
@@ -418,7 +419,7 @@ def cpu_predictions(arms: list[Arm], dry_run: bool, result_path: str) -> None:
     the result file is rewritten after each arm."""
     import jax
 
-    from benchmarks.learner_memory import predict_update_memory
+    from portable_rl.planning.learner_peak import predict_update_memory
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 
     mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])

@@ -1,4 +1,6 @@
 """Per-device peak memory of ONE learner update at real model sizes, from abstract shapes (nothing allocated).
+The compile and its accounting live in portable_rl/planning/learner_peak.py (the planner uses them too:
+`python -m portable_rl.plan`); this script picks a model and the knobs from the command line.
 
 The model and optimizer are built with `nnx.eval_shape` (bf16 params; `with_master_weights(make_optimizer())`
 keeps f32 master params and f32 AdamW moments), every leaf is a `jax.ShapeDtypeStruct` carrying its fsdp
@@ -49,10 +51,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
+
+from portable_rl.planning.learner_peak import predict_update_memory
 
 # Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub); `qwen2_1b` the GPU check's model;
 # `tiny` for smoke tests.
@@ -81,7 +83,6 @@ MODELS = {
         "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
     },
 }
-OPTIM = dict(learning_rate=1e-6, weight_decay=0.1, max_grad_norm=1.0)   # the 7B/8B recipes' AdamW
 GB = 1e9
 
 
@@ -124,95 +125,6 @@ def parse_args(argv=None):
     return args
 
 
-# --------------------------------------------------------------------------------------- abstract state
-def device_bytes(x) -> int:
-    """Bytes of one device's shard of a ShapeDtypeStruct / array with a sharding."""
-    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-    return math.prod(shape) * x.dtype.itemsize
-
-
-def tree_device_bytes(tree) -> int:
-    import jax
-
-    return sum(device_bytes(x) for x in jax.tree.leaves(tree))
-
-
-def abstract_model_and_optimizer(config, mesh, *, model_kwargs):
-    """(model, optimizer) whose arrays are sharded ShapeDtypeStructs: bf16 params, f32 master + moments."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from portable_rl.learner_jax.model import Transformer
-    from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
-    from portable_rl.learner_jax.sharding import state_shardings
-
-    def create():
-        model = Transformer(config, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
-                            **model_kwargs)
-        optimizer = nnx.Optimizer(model, with_master_weights(make_optimizer(**OPTIM)), wrt=nnx.Param)
-        return model, optimizer
-
-    model, optimizer = nnx.eval_shape(create)
-    for module in (model, optimizer):
-        state = nnx.state(module)
-        shardings = state_shardings(state, mesh)
-        nnx.update(module, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                        state, shardings))
-    return model, optimizer
-
-
-def abstract_batch(mesh, rows_per_device: int, seq: int, fields: dict):
-    """{name: ShapeDtypeStruct [fsdp * rows_per_device, seq]} split by rows over the batch axes."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from portable_rl.learner_jax.sharding import batch_shards
-
-    rows = rows_per_device * batch_shards(mesh)
-    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    return {k: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=sharding) for k, dtype in fields.items()}
-
-
-def compile_stats(name: str, jitted, *args) -> dict:
-    """Lower + compile `jitted(*args)`; its per-device memory_analysis numbers and compile seconds."""
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    seconds = time.perf_counter() - start
-    m = compiled.memory_analysis()
-    return {"name": name, "argument_bytes": int(m.argument_size_in_bytes),
-            "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
-            "temp_bytes": int(m.temp_size_in_bytes),
-            "xla_peak_memory_in_bytes": int(getattr(m, "peak_memory_in_bytes", -1)),
-            "compile_seconds": seconds}
-
-
-def combine(functions: list[dict], persistent_bytes: int) -> dict:
-    """peak = max_f (argument + output - alias + temp + persistent state not among f's arguments)."""
-    for f in functions:
-        f["live_bytes"] = (f["argument_bytes"] + f["output_bytes"] - f["alias_bytes"] + f["temp_bytes"]
-                           + persistent_bytes - f.pop("persistent_argument_bytes"))
-    worst = max(functions, key=lambda f: f["live_bytes"])
-    return {"peak_bytes_per_device": worst["live_bytes"], "peak_function": worst["name"],
-            "temp_bytes": worst["temp_bytes"], "argument_bytes": worst["argument_bytes"],
-            "output_bytes": worst["output_bytes"], "alias_bytes": worst["alias_bytes"],
-            "compile_seconds": sum(f["compile_seconds"] for f in functions), "functions": functions}
-
-
-# ------------------------------------------------------------------------------------------------ paths
-INT_FIELDS = ("input_ids", "segment_ids", "positions")
-FLOAT_FIELDS = ("response_mask", "keep_mask", "old_logprobs", "rollout_logprobs", "advantages", "tis_weights",
-                "token_weights")
-
-
-def rl_cfg():
-    """The DAPO settings of the 7B/8B recipes (gin/recipes/dapo_seed_settings.gin) that the loss reads."""
-    from portable_rl.testing.configs import dapo_config
-
-    return dapo_config(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
-                      clip_eps_high=0.28, loss_aggregation="token-mean")
-
-
 def path_memory(path: str, args):
     """The `MemoryConfig` of a path (module doc) and (rows per device, tokens per row) of a micro-batch."""
     from portable_rl.learner_jax.memory import MemoryConfig
@@ -226,58 +138,6 @@ def path_memory(path: str, args):
     return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=args.row_tokens is None,
                          max_tokens_per_micro_batch=micro, logprob_chunk_tokens=args.chunk_tokens,
                          remat=args.remat), (micro // row, row))
-
-
-def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
-    """Compiles what `rl.learner.Learner.update` runs for one mini-batch and combines each function's
-    memory_analysis (module doc): `steps["train_step"]` when `grad_sum` is None (one micro-batch), else
-    `steps["grad_step"]` + `steps["apply_step"]` with the f32 accumulator `grad_sum` resident. The arguments
-    may be abstract (sharded ShapeDtypeStructs) or the real arrays, whose compilations a later call reuses."""
-    from flax import nnx
-
-    # the optimizer's state: step counter + opt_state (nnx.Optimizer holds no model reference)
-    params, opt = tree_device_bytes(nnx.state(model, nnx.Param)), tree_device_bytes(nnx.state(optimizer))
-    if grad_sum is None:
-        f = compile_stats("train_step", steps["train_step"], model, optimizer, batch)
-        f["persistent_argument_bytes"] = params + opt
-        functions, grads = [f], 0
-    else:
-        grads = tree_device_bytes(grad_sum)
-        g = compile_stats("grad_step", steps["grad_step"], model, batch, grad_sum)
-        g["persistent_argument_bytes"] = params + grads
-        a = compile_stats("apply_step", steps["apply_step"], model, optimizer, grad_sum)
-        a["persistent_argument_bytes"] = params + opt + grads
-        functions = [g, a]
-    return {**combine(functions, params + opt + grads), "params_bytes": params, "optimizer_bytes": opt,
-            "grad_accumulator_bytes": grads}
-
-
-def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, micro_batches: int) -> dict:
-    """Per-device peak of one update (module doc) of `config` under `memory`, micro-batches of [rows, row_tokens]
-    per device: `compile_update` of the learner's step functions (`learner_jax.step`) on abstract sharded
-    shapes, for `mesh`'s backend. Call it under `jax.set_mesh(mesh)`."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from portable_rl.learner_jax import step as step_lib
-    from portable_rl.rl.learner import make_loss_fn
-
-    model, optimizer = abstract_model_and_optimizer(
-        config, mesh, model_kwargs=dict(attention_impl=memory.attention_impl, remat=memory.remat))
-    fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
-    batch = abstract_batch(mesh, rows, row_tokens, fields)
-    loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
-    steps = dict(train_step=step_lib.make_train_step(loss_fn), grad_step=step_lib.make_grad_step(loss_fn),
-                 apply_step=step_lib.make_apply_step())
-    grad_sum = None if micro_batches == 1 else jax.tree.map(  # step.zero_grads, abstractly
-        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), nnx.state(model, nnx.Param))
-    out = compile_update(steps, model, optimizer, batch, grad_sum)
-    out.update(micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
-               knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
-                      "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
-                      "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat})
-    return out
 
 
 def measure(path: str, config, mesh, args) -> dict:

@@ -32,6 +32,7 @@ import difflib
 import functools
 import inspect
 import logging
+import math
 import os
 import re
 import sys
@@ -41,7 +42,7 @@ from typing import Callable, Sequence
 import gin
 
 import portable_rl
-from portable_rl.errors import USER_ERRORS
+from portable_rl.errors import USER_ERRORS, ConfigError
 
 PACKAGE_GIN_DIR = Path(portable_rl.__file__).resolve().parent.parent / "gin"
 _REGISTERED = False
@@ -240,14 +241,14 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
     try:
         parse_gin(args.gin_file, args.gin_bindings, args.gin_search_paths)
     except (ValueError, TypeError, KeyError, IOError) as e:
-        _exit_with(e)
+        exit_gin_error(e)
     try:
         main()
     except Exception as e:
         if os.environ.get("PORTABLE_RL_TRACEBACK"):
             raise
         if isinstance(e, (ValueError, TypeError)) and "Required bindings" in str(e):
-            _exit_with(e)
+            exit_gin_error(e)
         if isinstance(e, USER_ERRORS):
             raise SystemExit(f"error: {one_line(e)}") from e
         raise
@@ -259,7 +260,7 @@ def one_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _exit_with(e: BaseException):
+def exit_gin_error(e: BaseException):
     if os.environ.get("PORTABLE_RL_TRACEBACK"):
         raise e
     msg = " ".join(str(e).split())
@@ -311,9 +312,24 @@ def query_value(name: str):
 
 
 def memory_budget(binding: str = "train.memory_plan"):
-    """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), decided, with
-    XLA's variables set and its line printed (`rl.colocation.prepare`), or None when nothing binds it. The entry
-    points call this before JAX starts its devices."""
+    """The memory plan the config binds (gin/colocate.gin: `train.memory_plan = %MEMORY_PLAN`), completed from
+    the run's own config (`run_memory_plan`), decided, with XLA's variables set and its line printed
+    (`rl.colocation.prepare`), or None when nothing binds it. The entry points call this before JAX starts its
+    devices."""
+    plan = run_memory_plan(binding)
+    if plan is None:
+        return None
+    from portable_rl.rl.colocation import prepare
+
+    return prepare(plan)
+
+
+def run_memory_plan(binding: str = "train.memory_plan", learner_devices: int | None = None):
+    """The bound `MemoryPlan` with what the run's config already says filled in, so nothing is set twice: the
+    checkpoint (rl.RunConfig.model_path), the learner's dtypes (rl.PrecisionConfig), its shards (the mesh's
+    fsdp x tensor), and the engine's name, quantization, length and tensor-parallel size (its binding).
+    `learner_devices`: the devices a -1 mesh axis fills (None: this host's GPUs x the JAX processes). None when
+    nothing binds a plan."""
     try:
         value = gin.query_parameter(binding)
     except ValueError:  # not bound: the default run
@@ -321,17 +337,78 @@ def memory_budget(binding: str = "train.memory_plan"):
     plan = value.scoped_configurable_fn() if isinstance(value, gin.config.ConfigurableReference) else value
     if plan is None:
         return None
-    import dataclasses
+    from portable_rl.rl.colocation import MemoryPlan, detect_device_memory
 
-    from portable_rl.rl.colocation import MemoryPlan, prepare
+    if not isinstance(plan, MemoryPlan):
+        return plan
+    engine = engine_settings()
+    precision = CONFIG_OBJECTS["precision"]()
+    mesh = bound("train.mesh")
+    if isinstance(mesh, gin.config.ConfigurableReference):
+        mesh = mesh.scoped_configurable_fn()
+    shards = 1  # no mesh: the learner on one device
+    if mesh is not None:
+        from portable_rl.learner_jax.sharding import mesh_shape
 
-    if isinstance(plan, MemoryPlan):  # the learner's dtypes are PrecisionConfig's: one place sets them
-        for name in ("param_dtype", "master_dtype"):
-            try:
-                plan = dataclasses.replace(plan, **{name: query_value(f"rl.PrecisionConfig.{name}")})
-            except ValueError:  # PrecisionConfig's default, which the plan's default matches
-                pass
-    return prepare(plan)
+        sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+        if -1 not in sizes:
+            learner_devices = math.prod(sizes)
+        elif learner_devices is None:  # before JAX starts: nvidia-smi's GPUs on this host x the processes
+            processes = int(os.environ.get("PORTABLE_RL_NUM_PROCESSES", os.environ.get("SLURM_NTASKS", 1)))
+            learner_devices = max(1, detect_device_memory()[1]) * processes
+        _, fsdp, tensor = mesh_shape(mesh, learner_devices)
+        shards = fsdp * tensor
+    return plan.for_run(model_path=bound("rl.RunConfig.model_path", ""), precision=precision, learner_shards=shards,
+                        engine=engine)
+
+
+def resolve(value):
+    """A binding's value with every %MACRO inside it (dicts, lists) replaced by the macro's value."""
+    if isinstance(value, gin.config.ConfigurableReference) and value.configurable.name == "macro":
+        return resolve(gin.query_parameter(f"{value.scoped_selector}.value"))
+    if isinstance(value, dict):
+        return {k: resolve(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(resolve(v) for v in value)
+    return value
+
+
+def bound(name: str, default=None):
+    """The resolved value bound to `name` ('scope/module.fn.param' or 'MACRO'), else `default`."""
+    key = f"{name}/gin.macro.value" if "." not in name else name
+    try:
+        return resolve(gin.query_parameter(key))
+    except ValueError:
+        return default
+
+
+def engine_settings():
+    """The memory-relevant settings of the engine `train.engine_factory` binds (`planning.engine.EngineSettings`)."""
+    from portable_rl.planning.engine import EngineSettings
+
+    try:
+        ref = gin.query_parameter("train.engine_factory")
+        while isinstance(ref, gin.config.ConfigurableReference) and ref.configurable.name == "macro":
+            ref = gin.query_parameter(f"{ref.scoped_selector}.value")
+    except ValueError:
+        raise ConfigError("the config binds no train.engine_factory; compose an engine file "
+                          "(--gin_file=gin/engines/vllm.gin)") from None
+    prefix = "/".join(ref.scopes + [ref.configurable.selector])
+    name = bound(f"{prefix}.name")
+    kwargs = bound(f"{prefix}.engine_init_kwargs", {}) or {}
+    if name == "vllm":
+        return EngineSettings(name, kwargs.get("quantization"), int(kwargs.get("tensor_parallel_size", 1)),
+                              int(bound(f"{prefix}.max_model_len", 2048)),
+                              kwargs.get("gpu_memory_utilization", bound(f"{prefix}.gpu_memory_utilization")), True)
+    if name == "sglang":
+        length = kwargs.get("context_length", bound("MAX_MODEL_LEN"))
+        if length is None:
+            raise ConfigError("SGLang engine: set 'context_length' in ENGINE_KWARGS (the planner sizes the KV cache "
+                              "from it)")
+        return EngineSettings(name, bound(f"{prefix}.fp8_mode"), int(kwargs.get("tp_size", 1)), int(length),
+                              kwargs.get("mem_fraction_static"), bool(bound(f"{prefix}.sleep_mode", False)))
+    raise ConfigError(f"engine {name!r}: the planner sizes 'vllm' and 'sglang' engines; plan a Ray fleet per "
+                      "engine node with gin/engines/vllm.gin")
 
 
 def write_config(run_dir: str | os.PathLike, name: str = "config.gin", operative: bool = False) -> Path:

@@ -179,8 +179,8 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
       environment: what each trajectory runs in and when it ends (`rl.EnvironmentConfig`); default: the task's
         prompt, one turn, scored by its reward.
       mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
-      memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin); None: XLA's and
-        the engine's defaults, the engine always awake.
+      memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin; its checkpoint
+        and dtypes are taken from `run` and `precision`); None: XLA's and the engine's defaults, the engine always awake.
       warmstart_fn: writes the starting checkpoint when `run.model_path` has none (`warmstart`).
     """
     from tqdm import tqdm
@@ -196,8 +196,10 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
 
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
-        from portable_rl.rl.colocation import prepare
+        from portable_rl.rl.colocation import MemoryPlan, prepare
 
+        if isinstance(memory_plan, MemoryPlan):  # the checkpoint and dtypes are the run's own (a Budget has them)
+            memory_plan = memory_plan.for_run(model_path=run.model_path, precision=precision)
         budget = prepare(memory_plan)
     held_out = list(task.eval_examples())[:run.eval_size]
     reward_fn = get_reward(task.reward)

@@ -170,7 +170,7 @@ def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
             gin_utils.parse_gin(["gin/dapo_fp8.gin"], [binding])
         except Exception as e:
             with pytest.raises(SystemExit) as exit_info:
-                gin_utils._exit_with(e)
+                gin_utils.exit_gin_error(e)
             return str(exit_info.value)
         finally:
             gin.clear_config()

@@ -201,11 +201,10 @@ def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_file
     recipes = sorted(set(re.findall(r"gin/recipes/[\w.]+\.gin", text)))
     assert "gin/recipes/llama3_8b_dapo_math_vllm_fp8.gin" in recipes
     for recipe in recipes:
-        for extra, macros in (([], []), (["gin/colocate.gin"], ["LEARNER_PEAK_GB = 68"])):  # as the page shows
-            gin.clear_config()
-            register_gin()
-            gin_utils.parse_gin([recipe, *extra], [*macros, f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
-                                                  f"DATA_PATH = '{data_files}/train.jsonl'",
-                                                  f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])
-            assert callable(_resolve(gin.query_parameter("train.engine_factory")))
-            assert gin_utils.query_value("rl.RunConfig.model_path") == f"{data_files}/model"
+        gin.clear_config()  # as the page shows it (the colocated recipes include gin/colocate.gin themselves)
+        register_gin()
+        gin_utils.parse_gin([recipe], [f"RUN_DIR = '{tmp_path}/run'", f"MODEL_PATH = '{data_files}/model'",
+                                       f"DATA_PATH = '{data_files}/train.jsonl'",
+                                       f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])
+        assert callable(_resolve(gin.query_parameter("train.engine_factory")))
+        assert gin_utils.query_value("rl.RunConfig.model_path") == f"{data_files}/model"

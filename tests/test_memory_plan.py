@@ -89,10 +89,10 @@ def test_the_users_environment_wins_and_is_checked(qwen3_8b):
 
 
 @pytest.mark.parametrize("kw, knob", [
-    (dict(sleep_engine=True, device_memory_gb=80.0), "lower LEARNER_PEAK_GB"),              # 85.9 GB > an H100
+    (dict(sleep_engine=True, device_memory_gb=80.0), "lower the learner's peak"),              # 85.9 GB > an H100
     (dict(sleep_engine=False, device_memory_gb=100.0), "set SLEEP_ENGINE=True"),         # both resident: no room
     (dict(sleep_engine=True, learner_shards=1, learner_peak_gb=120.0, device_memory_gb=135.0, quantization=None),
-     "raise LEARNER_SHARDS"),                                                  # 114.7 GB of state stays resident
+     "shard the learner over more devices"),                                                  # 114.7 GB of state stays resident
     (dict(learner_shards=1), "is below the learner's own state, 114.7 GB per device"),
     (dict(engine="sglang"), "SGLang: mem_fraction_static"),
     (dict(learner_peak_gb=None), "set LEARNER_PEAK_GB"),
@@ -125,9 +125,9 @@ def test_gin_file_binds_the_plan_and_the_cli_applies_it(qwen3_8b, monkeypatch, c
     gin.clear_config()
     try:
         register_gin()
-        gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/colocate.gin"],
+        gin_utils.parse_gin(["gin/dapo_fp8.gin", "gin/learner/mesh.gin", "gin/colocate.gin"],
                             [f"MODEL_PATH = '{qwen3_8b}'", "LEARNER_PEAK_GB = 85.9", "DEVICE_MEMORY_GB = 141.0",
-                             "LEARNER_SHARDS = 8", "MAX_MODEL_LEN = 22528"])
+                             "MESH_FSDP = 8", "MAX_MODEL_LEN = 22528"])
         budget = gin_utils.memory_budget()
     finally:
         gin.clear_config()
@@ -158,18 +158,19 @@ def test_cli_stops_with_one_line_before_anything_loads(qwen3_8b, tmp_path):
     """The shapes-only checkpoint has no weights: reaching the model load would be a different error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_PYTHON_CLIENT")}
     proc = subprocess.run(
-        [sys.executable, "-m", "portable_rl.train", "--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/colocate.gin",
-         f"--gin.MODEL_PATH={qwen3_8b}", f"--gin.RUN_DIR={tmp_path / 'run'}", "--gin.LEARNER_PEAK_GB=85.9",
-         "--gin.DEVICE_MEMORY_GB=80.0", "--gin.LEARNER_SHARDS=8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "portable_rl.train", "--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/learner/mesh.gin",
+         "--gin_file=gin/colocate.gin", f"--gin.MODEL_PATH={qwen3_8b}", f"--gin.RUN_DIR={tmp_path / 'run'}",
+         "--gin.LEARNER_PEAK_GB=85.9", "--gin.DEVICE_MEMORY_GB=80.0", "--gin.MESH_FSDP=8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "learner phase" in lines[0] and "lower LEARNER_PEAK_GB" in lines[0], proc.stderr
+    assert len(lines) == 1 and "learner phase" in lines[0] and "LEARNER_PEAK_GB" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "[train]" not in proc.stdout
     assert not (tmp_path / "run").exists()  # stopped before the run directory was written
 
 
 def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
-    """The recipe's own macros feed the plan: FP8 engine, MAX_MODEL_LEN 10240, bf16 params + f32 master."""
+    """The run's own config feeds the plan, nothing set twice: the FP8 engine, its MAX_MODEL_LEN 10240 and
+    tensor_parallel_size 8 (ENGINE_KWARGS), bf16 params + f32 master (rl.PrecisionConfig), fsdp 8 (the mesh)."""
     import gin
 
     from portable_rl import gin_utils
@@ -184,14 +185,40 @@ def test_the_7b_recipe_composes_with_colocate_gin(tmp_path, monkeypatch):
     gin.clear_config()
     try:
         register_gin()
-        gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", "gin/colocate.gin"],
+        gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin"],   # it includes gin/colocate.gin
                             [f"MODEL_PATH = '{path}'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'",
-                             "LEARNER_PEAK_GB = 68", "LEARNER_SHARDS = 8", "ENGINE_TENSOR_PARALLEL = 8",
+                             "LEARNER_PEAK_GB = 68", "MESH_FSDP = 8",
+                             "ENGINE_KWARGS = {'quantization': %QUANTIZATION, 'tensor_parallel_size': 8}",
                              "DEVICE_MEMORY_GB = 141.0"])
         budget = gin_utils.memory_budget()
     finally:
         gin.clear_config()
     params = 7_615_616_512  # Qwen/Qwen2.5-7B's published count
-    assert budget.plan.quantization == "fp8" and budget.min_kv_tokens == 10240
+    assert budget.plan.quantization == "fp8" and budget.min_kv_tokens == 10240 and budget.plan.model_path == str(path)
+    assert budget.plan.engine_tensor_parallel == 8 and budget.plan.learner_shards == 8
     assert budget.learner_resident_bytes == pytest.approx(params * 14 / 8)
     assert budget.engine_fraction == math.floor((141 * GB - params * 14 / 8 - 2 * GB) / (141 * GB) * 100) / 100
+
+
+def test_gin_and_python_complete_the_plan_from_the_same_config(tmp_path):
+    """gin (gin_utils.run_memory_plan) and a Python caller (MemoryPlan.for_run, as train() does for the checkpoint and
+    dtypes) arrive at the same plan: nothing is repeated in gin/colocate.gin."""
+    import gin
+
+    from portable_rl import gin_utils
+    from portable_rl.planning.engine import EngineSettings
+    from portable_rl.rl.config import PrecisionConfig
+    from portable_rl.train import register_gin
+
+    gin.clear_config()
+    try:
+        register_gin()
+        gin_utils.parse_gin(["gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin"],
+                            ["MODEL_PATH = '/ckpt/qwen2_5_7b'", "DATA_PATH = 'd.parquet'", "EVAL_DATA_PATH = 'e.parquet'"])
+        from_gin = gin_utils.run_memory_plan(learner_devices=8)
+    finally:
+        gin.clear_config()
+    from_python = MemoryPlan(learner_peak_gb=64, sleep_engine=True).for_run(
+        model_path="/ckpt/qwen2_5_7b", precision=PrecisionConfig(param_dtype="bfloat16", compute_dtype="bfloat16"),
+        learner_shards=8, engine=EngineSettings("vllm", "fp8", 1, 10240, 0.6, True))
+    assert from_gin == from_python

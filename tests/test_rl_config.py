@@ -73,7 +73,7 @@ def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
             try:
                 _parse(old)
             except ValueError as err:
-                gin_utils._exit_with(err)
+                gin_utils.exit_gin_error(err)
     finally:
         gin.clear_config()
     message = str(e.value)

@@ -150,10 +150,12 @@ class Footprint:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """How the learner and one engine share each device (gin/colocate.gin sets it); `decide()` → a `Budget`.
-    GB = 1e9 bytes, per device.
+    GB = 1e9 bytes, per device. model_path, engine, quantization, max_model_len, engine_tensor_parallel,
+    learner_shards, param_dtype and master_dtype describe the run: gin fills them from its own config
+    (`gin_utils.run_memory_plan`); a Python caller sets them from the objects it passes to train().
 
     Attributes:
-      learner_peak_gb: the learner's per-device peak in GB, its state included (benchmarks/learner_memory.py).
+      learner_peak_gb: the learner's per-device peak in GB, its state included (python -m portable_rl.plan).
       model_path: the engine's starting HF checkpoint, which sizes weights and KV cache; "": set
         engine_weights_gb and learner_resident_gb.
       sleep_engine: True: time-shared (the engine sleeps through the learner phase; XLA without
@@ -199,6 +201,21 @@ class MemoryPlan:
     engine_weights_gb: Optional[float] = None
     learner_resident_gb: Optional[float] = None
 
+    def for_run(self, *, model_path, precision, learner_shards: Optional[int] = None,
+                engine=None) -> "MemoryPlan":
+        """This plan with the run's own settings filled in, so none is set twice: the checkpoint and the learner's
+        dtypes (`rl.PrecisionConfig`) always; the learner's shards (fsdp x tensor) and the engine's
+        (`planning.engine.EngineSettings`: name, quantization, length, tensor-parallel size) when given. `train()`
+        calls it with what it knows; the gin entry points with everything (`gin_utils.run_memory_plan`)."""
+        fields = dict(model_path=str(model_path), param_dtype=precision.param_dtype,
+                      master_dtype=precision.master_dtype)
+        if learner_shards is not None:
+            fields["learner_shards"] = learner_shards
+        if engine is not None:
+            fields.update(engine=engine.name, quantization=engine.quantization, max_model_len=engine.max_model_len,
+                          engine_tensor_parallel=engine.tensor_parallel)
+        return dataclasses.replace(self, **fields)
+
     def decide(self, environ: Mapping[str, str] = os.environ, device_memory_bytes: Optional[float] = None,
                device_source: str = "") -> "Budget":
         """The budget on this machine; raises MemoryPlanError when it cannot fit. `device_memory_bytes`
@@ -208,7 +225,12 @@ class MemoryPlan:
             device_memory_bytes, device_source = self._device_memory()
         if device_memory_bytes is None:
             return Budget(plan=self, active=False, device_source=device_source)
-        fp = self._footprint(device_memory_bytes)
+        return self.decide_footprint(self._footprint(device_memory_bytes), environ, device_source)
+
+    def decide_footprint(self, fp: "Footprint", environ: Mapping[str, str] = os.environ,
+                         device_source: str = "") -> "Budget":
+        """The budget for sizes already known (`Footprint`: the planner's, from config.json and XLA's compile);
+        raises MemoryPlanError when it cannot fit."""
         m = fp.device
         xla_env = xla_env_for(self.sleep_engine, environ)
         preallocates = environ.get(PREALLOCATE, xla_env.get(PREALLOCATE, "true")).lower() not in ("false", "0")
@@ -239,7 +261,7 @@ class MemoryPlan:
                                   "and drop gin/colocate.gin")
         if self.learner_peak_gb is None or self.learner_peak_gb <= 0:
             raise MemoryPlanError(f"MemoryPlan.learner_peak_gb={self.learner_peak_gb}: set LEARNER_PEAK_GB to the "
-                                  "learner's per-device peak (docs/scaling.md 'Colocation')")
+                                  "learner's per-device peak (python -m portable_rl.plan prints it)")
 
     def _device_memory(self) -> tuple[Optional[float], str]:
         """(bytes, source): `device_memory_gb` when set, else nvidia-smi's; None without a GPU."""
@@ -271,9 +293,9 @@ class MemoryPlan:
         if fp.learner_resident > fp.learner_peak:
             raise MemoryPlanError(
                 f"memory plan: LEARNER_PEAK_GB={self.learner_peak_gb} is below the learner's own state, "
-                f"{fp.learner_resident / GB:.1f} GB per device (params + master + AdamW moments over LEARNER_SHARDS="
-                f"{self.learner_shards}), which the peak includes; set LEARNER_PEAK_GB from "
-                "benchmarks/learner_memory.py or benchmarks/gpu_check.sh, and LEARNER_SHARDS to fsdp x tensor")
+                f"{fp.learner_resident / GB:.1f} GB per device (params + master + AdamW moments over "
+                f"{self.learner_shards} learner shards), which the peak includes; set LEARNER_PEAK_GB from "
+                "python -m portable_rl.plan or benchmarks/gpu_check.sh")
         return fp
 
     def _time_shared_engine_fraction(self, fp: Footprint, environ: Mapping[str, str], preallocates: bool) -> float:
@@ -292,8 +314,8 @@ class MemoryPlan:
             raise MemoryPlanError(
                 f"memory plan: learner phase {learner_phase / GB:.1f} GB (learner peak {fp.learner_peak / GB:.1f} + "
                 f"engine asleep {self.engine_asleep_gb:.1f} + reserve {self.reserve_gb:.1f}) > {m / GB:.1f} GB device "
-                "memory; lower LEARNER_PEAK_GB (smaller train.max_tokens_per_micro_batch, remat, more fsdp "
-                "devices: docs/scaling.md)")
+                "memory; lower the learner's peak (python -m portable_rl.plan says how: smaller "
+                "learner.MemoryConfig.max_tokens_per_micro_batch, remat, more devices) and LEARNER_PEAK_GB with it")
         return (m - fp.learner_resident - fp.reserve) / m
 
     def _resident_learner_fraction(self, fp: Footprint, environ: Mapping[str, str], preallocates: bool) -> float:
@@ -336,10 +358,10 @@ class MemoryPlan:
             f"memory plan: engine needs {engine_need / GB:.1f} GB (weights {fp.engine_weights / GB:.1f} + overhead "
             f"{self.engine_overhead_gb:.1f} + KV cache for {min_tokens} tokens {kv_floor / GB:.1f}) "
             f"> its share {max(engine_fraction, 0):.2f} x {m / GB:.1f} GB after the {what}; "
-            + ("raise LEARNER_SHARDS (more fsdp devices: less learner state per device) or the engine's "
-               "tensor_parallel_size (ENGINE_TENSOR_PARALLEL)" if self.sleep_engine else
+            + ("shard the learner over more devices (less learner state per device) or raise the engine's "
+               "tensor_parallel_size (ENGINE_KWARGS)" if self.sleep_engine else
                f"set SLEEP_ENGINE=True, lower {_knob(MEM_FRACTION, 'MemoryPlan.learner_fraction', environ)}, "
-               "or raise the engine's tensor_parallel_size (ENGINE_TENSOR_PARALLEL)"))
+               "or raise the engine's tensor_parallel_size (ENGINE_KWARGS)"))
 
 
 @dataclasses.dataclass(frozen=True)

