@@ -97,3 +97,100 @@ def test_push_missing_an_expert_is_rejected(engine, ckpt):
     del tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
     with pytest.raises(WeightUpdateError, match="experts.2.up_proj"):
         engine.update_weights(iter(tensors.items()))
+
+
+# ------------------------------------------------------------------------------------------- quantization
+@pytest.mark.parametrize("quantization", ["fp8_per_channel", "int8_per_channel"])
+def test_quantized_moe_is_refused_at_start_naming_what_works(ckpt, quantization):
+    with pytest.raises(ConfigError, match="unquantized") as e:
+        create_engine("vllm", model_path=ckpt, engine_init_kwargs={"quantization": quantization})
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- routing capture
+TOP_K_MARGIN = 1e-4  # router-logit gap between the k-th and (k+1)-th expert below which fp32 noise may flip them
+
+
+def transformers_top_k(path, sequence: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(top-k expert ids [positions, layers, k] sorted, k-th minus (k+1)-th router logit [positions, layers])
+    from transformers' Qwen3MoeForCausalLM loaded from checkpoint `path` (which fuses the per-expert weights
+    its own way), on `sequence`."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        out = model(torch.tensor([sequence]), output_router_logits=True)
+    logits = torch.stack([r.reshape(len(sequence), -1) for r in out.router_logits], dim=1)  # [pos, layers, E]
+    ordered = logits.sort(dim=-1, descending=True)
+    top = ordered.indices[..., :k].sort(dim=-1).values
+    return top.numpy(), (ordered.values[..., k - 1] - ordered.values[..., k]).numpy()
+
+
+@pytest.fixture(scope="module")
+def capturing_engine(ckpt):
+    with create_engine("vllm", model_path=ckpt, dtype="float32", return_routed_experts=True) as engine:
+        yield engine
+
+
+def assert_routing_matches_transformers(rollouts, path):
+    compared = 0
+    for r in rollouts:
+        sequence = r.prompt_token_ids + r.response_token_ids
+        engine_top = np.asarray(r.routed_experts)
+        assert engine_top.shape == (len(sequence) - 1, 2, 2)  # [positions but the last, layers, top_k]
+        reference, margin = transformers_top_k(path, sequence)
+        clear = margin[:-1] > TOP_K_MARGIN
+        np.testing.assert_array_equal(engine_top[clear], reference[:-1][clear])
+        compared += int(clear.sum())
+    assert compared >= 0.9 * sum(len(r.prompt_token_ids) + len(r.response_token_ids) - 1 for r in rollouts) * 2
+
+
+def test_captured_routing_equals_transformers_top_k(capturing_engine, ckpt):
+    """Batched prefills of different lengths plus decode steps, n=2 samples per prompt: every row lands on its
+    own (request, position)."""
+    rollouts = capturing_engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_tokens=5, n=2, seed=3,
+                                                                 return_routed_experts=True))
+    assert len(rollouts) == 6 and all(r.routed_experts is not None for r in rollouts)
+    assert_routing_matches_transformers(rollouts, ckpt)
+
+
+def test_captured_routing_follows_a_push(capturing_engine, ckpt, tmp_path):
+    original = checkpoint_tensors(ckpt)
+    new = perturbed_tensors(original, seed=2)
+    capturing_engine.update_weights(iter(new.items()))
+    try:
+        rollouts = capturing_engine.generate(PROMPTS[:2], SamplingConfig(temperature=0.0, max_tokens=4,
+                                                                         return_routed_experts=True))
+        assert_routing_matches_transformers(rollouts, write_checkpoint_like(ckpt, tmp_path / "pushed", new))
+    finally:
+        capturing_engine.update_weights(iter(original.items()))
+
+
+def test_routing_is_refused_by_an_engine_started_without_it(engine):
+    with pytest.raises(ConfigError, match="return_routed_experts=True"):
+        engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=2, return_routed_experts=True))
+    assert not engine.returns_routed_experts
+
+
+def test_routing_is_refused_for_a_dense_checkpoint(tmp_path):
+    dense = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
+    with pytest.raises(ConfigError, match="not an MoE checkpoint"):
+        create_engine("vllm", model_path=dense, return_routed_experts=True)
+
+
+def test_vllm_router_symbols_are_the_ones_the_capture_patches():
+    from portable_rl.engines.vllm_moe import check_vllm_symbols
+
+    check_vllm_symbols()
+
+
+def test_a_changed_router_hook_fails_in_one_line(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    from portable_rl.engines.vllm_moe import check_vllm_symbols
+
+    monkeypatch.setattr(BaseRouter, "set_capture_fn", lambda self, fn, layer: None)
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.32.*BaseRouter\.set_capture_fn") as e:
+        check_vllm_symbols()
+    assert "\n" not in str(e.value)

@@ -184,7 +184,8 @@ class RoutingCapture:
 
         def model_forward_capturing(input_ids=None, positions=None, *args, **kwargs):
             if self._step is not None and input_ids is not None:
-                self._rows = (input_ids.cpu().numpy(), positions.cpu().numpy())
+                # copies: on CPU .numpy() would view the runner's persistent buffers, rewritten every step
+                self._rows = (input_ids.cpu().numpy().copy(), positions.cpu().numpy().copy())
             return model_forward(input_ids, positions, *args, **kwargs)
 
         model_runner.execute_model = execute_model_capturing
