@@ -100,11 +100,34 @@ def test_push_missing_an_expert_is_rejected(engine, ckpt):
 
 
 # ------------------------------------------------------------------------------------------- quantization
-@pytest.mark.parametrize("quantization", ["fp8_per_channel", "int8_per_channel"])
-def test_quantized_moe_is_refused_at_start_naming_what_works(ckpt, quantization):
-    with pytest.raises(ConfigError, match="unquantized") as e:
-        create_engine("vllm", model_path=ckpt, engine_init_kwargs={"quantization": quantization})
+def test_fp8_moe_is_refused_on_cpu_at_start_naming_what_works(ckpt):
+    with pytest.raises(ConfigError, match="int8_per_channel' or unquantized") as e:
+        create_engine("vllm", model_path=ckpt, engine_init_kwargs={"quantization": "fp8_per_channel"})
     assert "\n" not in str(e.value)
+
+
+def test_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
+    """INT8 W8A8 with int8 experts (vLLM's CPU int8 MoE kernel) and an unquantized router: a float push is
+    quantized by the adapter and served exactly as a fresh INT8 engine on the same weights serves it."""
+    int8 = {"quantization": "int8_per_channel"}
+    new = perturbed_tensors(checkpoint_tensors(ckpt), seed=3)
+    pushed_path = write_checkpoint_like(ckpt, tmp_path / "pushed", new)
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as engine:
+        dtypes = engine._llm.collective_rpc(lambda worker: {
+            n: str(p.dtype) for n, p in worker.model_runner.get_model().named_parameters()
+            if n.startswith("model.layers.0.mlp.") and n.endswith("weight")})[0]
+        assert dtypes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == "torch.int8"
+        assert dtypes["model.layers.0.mlp.gate.weight"] != "torch.int8"  # the router is not quantized
+        before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+        engine.update_weights(iter(new.items()))
+        pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
+    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
+        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+    assert pushed_tokens == fresh_tokens
+    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- routing capture

