@@ -90,6 +90,25 @@ def test_push_equals_fresh_engine_and_original_weights_restore_outputs(engine, c
     np.testing.assert_allclose(restored_logprobs, before_logprobs, atol=FP32_LOGPROB_TOL)
 
 
+def test_without_the_reload_fix_a_push_serves_unpacked_experts(engine, ckpt, monkeypatch):
+    """vllm_moe.apply_cpu_reload_fix is what makes a push serve its weights: without it, pushing the very
+    weights the engine already serves changes its outputs (the kernel reads unpacked experts)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    original = checkpoint_tensors(ckpt)
+    before_tokens, before_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "process_weights_after_loading",
+                        UnquantizedFusedMoEMethod.process_weights_after_loading._portable_rl_original)
+    engine.update_weights(iter(original.items()))
+    broken_tokens, broken_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    monkeypatch.undo()
+    engine.update_weights(iter(original.items()))
+    restored_tokens, restored_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    assert broken_tokens != before_tokens or np.abs(broken_logprobs - before_logprobs).max() > 0.1
+    assert restored_tokens == before_tokens
+    np.testing.assert_allclose(restored_logprobs, before_logprobs, atol=FP32_LOGPROB_TOL)
+
+
 def test_qwen2_moe_shared_expert_push_equals_fresh_engine(tmp_path):
     """Qwen2-MoE adds a shared expert and its sigmoid gate (`mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
     ckpt = make_tiny_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", dtype="float32")

@@ -130,6 +130,7 @@ def _prepack_again_on_reload(process_weights_after_loading):
             experts.process_weights_after_loading(layer)
 
     process_weights_after_loading_and_prepack._portable_rl_wrapped = True
+    process_weights_after_loading_and_prepack._portable_rl_original = process_weights_after_loading
     return process_weights_after_loading_and_prepack
 
 
