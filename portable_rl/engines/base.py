@@ -30,7 +30,9 @@ prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies o
 
 Routed experts (mixture-of-experts policies; `SamplingConfig.return_routed_experts`, for routing replay).
 An adapter with `returns_routed_experts = True` fills `Rollout.routed_experts` with the experts the engine's
-router chose, in the layout of vLLM's `CompletionOutput.routed_experts` ([seq_len - 1, layers, top_k]):
+router chose, as vLLM's `CompletionOutput.routed_experts` is: a numpy array [seq_len - 1, layers, top_k] of
+expert ids, uint8 for up to 256 experts, else uint16 (an array, not lists: Qwen3-30B-A3B has 48 layers × 8
+ids per position),
 
     routed_experts[p][l] = the top_k expert ids layer l routed the token at position p to, when that token
                            was the model's INPUT; p over the whole sequence prompt + response except its
@@ -128,9 +130,9 @@ class Rollout:
     # Per response token, the ids of the support it was sampled from (`SamplingConfig.return_support`);
     # None: the whole vocabulary.
     sampling_support: list[list[int]] | None = None
-    # [len(prompt) + len(response) - 1][layers][top_k] expert ids (`SamplingConfig.return_routed_experts`,
-    # module doc "Routed experts"); None: not asked for.
-    routed_experts: list[list[list[int]]] | None = None
+    # np.ndarray [len(prompt) + len(response) - 1, layers, top_k] of expert ids
+    # (`SamplingConfig.return_routed_experts`, module doc "Routed experts"); None: not asked for.
+    routed_experts: "np.ndarray | None" = None  # noqa: F821  (numpy: only adapters that fill it need it)
 
     def __post_init__(self):
         if len(self.response_token_ids) != len(self.response_logprobs):

@@ -397,7 +397,7 @@ class VLLMEngine(EngineAdapter):
                 routed = None
                 if sampling.return_routed_experts:  # [seq_len - 1, layers, top_k] (base.py, "Routed experts")
                     routed = (captured[tuple(prompts[i] + tokens[:-1])].pop() if self._captures_routing
-                              else completion.routed_experts).tolist()
+                              else completion.routed_experts)
                 rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
                                         response_logprobs=logprobs, finish_reason=completion.finish_reason,
                                         sampling_support=support, routed_experts=routed))

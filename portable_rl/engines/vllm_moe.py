@@ -166,6 +166,8 @@ class RoutingCapture:
         for index, (_, runner) in enumerate(runners):
             runner.router.set_capture_fn(partial(self._capture, index))
         self.num_layers = len(runners)
+        # vLLM's CompletionOutput.routed_experts dtype: the narrowest that holds every expert id
+        self.dtype = np.uint8 if runners[0][1].router.global_num_experts <= 256 else np.uint16
         self._runner = model_runner
         self._step: dict[int, np.ndarray] | None = None  # layer index → top-k ids [rows, k], during a step
         self._rows: tuple[np.ndarray, np.ndarray] | None = None  # the step's (input_ids, positions)
@@ -211,7 +213,8 @@ class RoutingCapture:
             start = end
 
     def take(self) -> list[tuple[list[int], np.ndarray]]:
-        """Per request seen since the last call: (its input tokens by position, top-k ids [positions, layers, k]).
+        """Per request seen since the last call: (its input tokens by position, top-k ids [positions, layers, k],
+        sorted within a row, uint8 / uint16).
         A position computed twice (a preempted request recomputed) keeps its last row."""
         out = []
         for chunks in self._requests.values():
@@ -222,7 +225,7 @@ class RoutingCapture:
             if not np.array_equal(positions[last], np.arange(len(last))):
                 raise RuntimeError("routing capture: a request's positions do not start at 0 or have gaps "
                                    "(prefix caching must be off while capturing)")
-            out.append((tokens[last].tolist(), np.sort(experts[last], axis=-1)))
+            out.append((tokens[last].tolist(), np.sort(experts[last], axis=-1).astype(self.dtype)))
         self._requests.clear()
         return out
 
