@@ -28,6 +28,21 @@ Seeds. Sample j of prompt i in a batch gets the seed
 so a prompt's samples do not depend on what else is in the batch, and a shard of the batch starting at
 prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies on this).
 
+Routed experts (mixture-of-experts policies; `SamplingConfig.return_routed_experts`, for routing replay).
+An adapter with `returns_routed_experts = True` fills `Rollout.routed_experts` with the experts the engine's
+router chose, as vLLM's `CompletionOutput.routed_experts` is: a numpy array [seq_len - 1, layers, top_k] of
+expert ids, uint8 for up to 256 experts, else uint16 (an array, not lists: Qwen3-30B-A3B has 48 layers × 8
+ids per position),
+
+    routed_experts[p][l] = the top_k expert ids layer l routed the token at position p to, when that token
+                           was the model's INPUT; p over the whole sequence prompt + response except its
+                           last token (never an input), i.e. len(prompt) + len(response) - 1 rows
+
+so row p is the routing behind the logits that score token p + 1: the learner re-scoring prompt + response
+replays row p at position p. The order of the top_k ids within a row carries no meaning (vLLM-CPU's capture
+sorts them). vLLM fills it through its own `enable_return_routed_experts` on GPU, and by capturing the
+router's top-k inside the engine on vLLM-CPU, which refuses that option (engines/vllm_moe.py).
+
 Quantization. Every adapter reports `quantization`: None when it serves the pushed weights in their own
 dtype (bf16), else the name of the scheme it serves (e.g. "fp8_per_channel", "fp8_blockwise",
 "fake_mxfp4"). The post-sync probe judges a quantized engine by its report, not by the bf16 bound.
@@ -66,6 +81,8 @@ class SamplingConfig:
     return_support: bool = False
     # Opt-in escape hatch: top-p / top-k without the support make rollout logprobs differ from the learner's.
     allow_truncated_sampling: bool = False
+    # MoE: the experts the engine routed every position to (module doc, "Routed experts"), for routing replay.
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -120,6 +137,9 @@ class Rollout:
     response_mask: list[int] | None = None
     # Per response token, the turn it belongs to (an observation: the turn it answers); None: all turn 0.
     turn_index: list[int] | None = None
+    # np.ndarray [len(prompt) + len(response) - 1, layers, top_k] of expert ids
+    # (`SamplingConfig.return_routed_experts`, module doc "Routed experts"); None: not asked for.
+    routed_experts: "np.ndarray | None" = None  # noqa: F821  (numpy: only adapters that fill it need it)
 
     def __post_init__(self):
         if len(self.response_token_ids) != len(self.response_logprobs):
@@ -132,6 +152,10 @@ class Rollout:
             values = getattr(self, name)
             if values is not None and len(values) != len(self.response_token_ids):
                 raise ValueError(f"{len(self.response_token_ids)} response tokens but a {name} of {len(values)}")
+        if self.routed_experts is not None and (
+                len(self.routed_experts) != len(self.prompt_token_ids) + len(self.response_token_ids) - 1):
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} rows; expected one per position but "
+                             f"the last: {len(self.prompt_token_ids) + len(self.response_token_ids) - 1}")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
@@ -173,6 +197,8 @@ class EngineAdapter(abc.ABC):
     quantization: str | None  # set by every adapter (class attribute, property or in __init__)
     # True when `generate` honours `SamplingConfig.return_support` (fills `Rollout.sampling_support`).
     returns_sampling_support: bool = False
+    # True when `generate` honours `SamplingConfig.return_routed_experts` (fills `Rollout.routed_experts`).
+    returns_routed_experts: bool = False
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         """Refuses settings this adapter cannot honour (one line naming the fix); adapters call it in generate."""
@@ -181,6 +207,10 @@ class EngineAdapter(abc.ABC):
                 f"{type(self).__name__} cannot return the sampling support that top_p={sampling.top_p} / "
                 f"top_k={sampling.top_k} need for exact logprobs; use an engine that can (vLLM), or top_p=1.0, "
                 "top_k=-1")
+        if sampling.return_routed_experts and not self.returns_routed_experts:
+            raise ConfigError(
+                f"{type(self).__name__} does not return the experts it routed each token to (routing replay); "
+                "start a vLLM engine with return_routed_experts=True on an MoE checkpoint, or turn replay off")
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:

