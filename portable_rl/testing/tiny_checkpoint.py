@@ -58,7 +58,14 @@ def _hf_config(family: str, vocab_size: int, size: dict[str, Any], max_positions
             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                               high_freq_factor=4.0, original_max_position_embeddings=64),
             **common)
-    raise ValueError(f"unknown family {family!r}; expected one of: qwen2, qwen3, llama")
+    # MoE: 4 experts, top-2 (`overrides` change any of these, e.g. num_experts=6, norm_topk_prob=True).
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size["intermediate_size"] // 4)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(rope_theta=1_000_000.0, **{**moe, **common})
+    if family == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = size["intermediate_size"] // 2
+        return transformers.Qwen2MoeConfig(rope_theta=1_000_000.0, **{**moe, **common})
+    raise ValueError(f"unknown family {family!r}; expected one of: qwen2, qwen3, llama, qwen3_moe, qwen2_moe")
 
 
 def min_vocab_size(family: str) -> int:
@@ -71,7 +78,8 @@ def make_tiny_checkpoint(path: str | os.PathLike, family: str = "qwen2", *, size
                          seed: int = 0, dtype: str = "bfloat16", vocab_size: int = 128,
                          max_positions: int = 512, tie_word_embeddings: bool | None = None,
                          init_std: float = 0.02, **overrides: Any) -> str:
-    """Writes a random `family` checkpoint (qwen2 | qwen3 | llama) to `path` and returns the path.
+    """Writes a random `family` checkpoint (qwen2 | qwen3 | llama | qwen3_moe | qwen2_moe) to `path` and
+    returns the path.
 
     `vocab_size` may exceed the tokenizer's tokens (real checkpoints pad their vocab too) but not be
     below them: 98, or 99 for qwen2 (see `min_vocab_size`).
