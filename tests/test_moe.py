@@ -3,6 +3,10 @@ load-balancing loss), gradients of the sorted ragged_dot dispatch against the de
 routing replay, HF export / re-load, orbax checkpoints, and the one-line errors."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -104,12 +108,14 @@ def test_fp32_logprobs_and_router_logits_match_transformers(variant, ckpts, ids)
     np.testing.assert_allclose(float(aux), float(hf_aux), rtol=1e-5)
 
 
-def _dense_experts(self, x, experts):
-    """The all-experts reference: every expert on every token, [N, E, D], then gathered at `experts`."""
+def _dense_experts(self, x, experts, weights):
+    """The all-experts reference: every expert on every token, [N, E, D], mixed with the gate weights
+    scattered to [N, E] (zero for unchosen experts)."""
     gate = jnp.einsum("nd,edf->nef", x, self.gate_proj[...])
     up = jnp.einsum("nd,edf->nef", x, self.up_proj[...])
     y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, self.down_proj[...])     # [N, E, D]
-    return jnp.take_along_axis(y, experts[..., None], axis=1)                        # [N, K, D]
+    dense_weights = jnp.zeros(y.shape[:2], jnp.float32).at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+    return jnp.einsum("ne,ned->nd", dense_weights, y)
 
 
 def assert_grads_close(got, want):
@@ -215,3 +221,72 @@ def test_unknown_moe_family_and_bad_top_k_are_one_line_errors(ckpts):
         ModelConfig.from_hf_dict({**config, "model_type": "mixtral"})
     with pytest.raises(ValueError, match="num_experts_per_tok=7 must be in 1..num_experts=6"):
         ModelConfig.from_hf_dict({**config, "num_experts_per_tok": 7})
+
+
+EXPERT_PARALLEL = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from portable_rl.convert import load_hf_model
+    from portable_rl.errors import ConfigError
+    from portable_rl.learner_jax.logprobs import sequence_logprobs
+    from portable_rl.learner_jax.sharding import MeshConfig, make_mesh, shard_batch, shard_model_and_optimizer
+
+    def load(path):
+        return load_hf_model(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)[0]
+
+    def loss(model, input_ids, mask, w):
+        logp = sequence_logprobs(model, input_ids, mask)[0]
+        return jnp.sum(logp * w), logp
+
+    step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    rng = np.random.RandomState(0)
+    batch = {"input_ids": rng.randint(3, 98, size=(8, 12)).astype(np.int32), "mask": np.ones((8, 12), np.int32),
+             "w": rng.randn(8, 12).astype(np.float32)}
+    batch["mask"][1, 9:] = 0
+    (_, logp), grads = step(load(sys.argv[1]), *batch.values())
+    grads = nnx.to_pure_dict(grads)
+    out = {}
+    for name, mesh_config in {"fsdp2_expert4": MeshConfig(fsdp=2, expert=4),
+                              "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2)}.items():
+        model, mesh = load(sys.argv[1]), make_mesh(mesh_config)
+        shard_model_and_optimizer(model, None, mesh)
+        gate = model.layers[0].mlp.experts.gate_proj[...]
+        with jax.set_mesh(mesh):
+            (_, logp_s), grads_s = step(model, *shard_batch(batch, mesh).values())
+        grads_s = nnx.to_pure_dict(grads_s)
+        out[name] = {
+            "expert_shard": list(gate.addressable_shards[0].data.shape), "spec": str(gate.sharding.spec),
+            "logp": float(np.abs(np.asarray(logp_s) - np.asarray(logp)).max()),
+            "grads": max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(np.asarray(b)).max() + 1e-30))
+                         for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads)))}
+    model, mesh = load(sys.argv[2]), make_mesh(MeshConfig(fsdp=2, expert=4))  # 6 experts over 4 devices
+    shard_model_and_optimizer(model, None, mesh)
+    try:
+        with jax.set_mesh(mesh):
+            step(model, *shard_batch(batch, mesh).values())
+    except ConfigError as e:
+        out["error"] = str(e)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.slow  # ~1 min of CPU: three compilations of a forward + backward, two on 8 host devices
+def test_expert_parallel_equals_unsharded_on_8_devices(ckpts, tmp_path):
+    """An `expert` mesh axis (with fsdp, data, tensor) splits the experts and exchanges tokens inside a
+    shard_map; logprobs and gradients equal the single-device ones to fp32 tolerance."""
+    path = make_tiny_checkpoint(tmp_path / "e8", "qwen3_moe", dtype="float32",
+                                **{**DIMS, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 13,
+                                   "norm_topk_prob": True})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, str(path), str(ckpts("qwen3_moe_norm"))],
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["fsdp2_expert4"]["expert_shard"] == [2, 32 // 2, 13]       # 8 experts / 4, embed / fsdp 2
+    assert result["data2_expert2_tensor2"]["expert_shard"] == [4, 32, 13]    # 13 does not split over tensor
+    for name in ("fsdp2_expert4", "data2_expert2_tensor2"):
+        assert result[name]["logp"] <= 1e-5, (name, result[name])
+        assert result[name]["grads"] <= 1e-5, (name, result[name])
+    assert result["error"].startswith("the mesh's expert axis (4 devices) does not divide num_experts=6")

@@ -179,8 +179,7 @@ class MoEBlock(nnx.Module):
         x = x.reshape(B * T, D)                                                   # [N, D]
         logits = dense(x, self.router.kernel[...], self.compute_dtype, jnp.float32)  # [N, E] f32
         experts, weights, own = route(logits, self.top_k, self.norm_topk_prob, forced_experts)  # [N, K] each
-        y_pairs = self.experts(x, experts).astype(jnp.float32)                     # [N, K, D]
-        y = jnp.einsum("nk,nkd->nd", weights, y_pairs)                             # [N, D] f32
+        y = self.experts(x, experts, weights)                                      # [N, D] f32
         if self.has_shared_expert:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
             y = y + gate * self.shared_expert(x).astype(jnp.float32)

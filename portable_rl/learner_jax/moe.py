@@ -14,8 +14,9 @@ Dispatch (capacity-free, static shapes): the N·K (token, slot) pairs are sorted
 (`argsort` of the flattened expert ids), group_sizes[e] counts the pairs of expert e, and each SwiGLU
 matmul is one grouped matmul over the sorted rows, `jax.lax.ragged_dot(x_sorted [N·K, D],
 W [E, D, F], group_sizes [E])`: row r is multiplied by the weights of the expert whose group holds it.
-The outputs are put back in (token, slot) order with the inverse permutation and mixed with w. No
-token is dropped and no slot padded, so the block equals the all-experts reference
+The outputs are put back in (token, slot) order with the inverse permutation and mixed with w
+(`grouped_swiglu`). With an `expert` mesh axis the experts are split over devices and tokens exchanged
+inside a shard_map (`Experts` says how). No token is dropped and no slot padded, so the block equals the all-experts reference
 Σ_e mask_e · w_e · SwiGLU_e(x) exactly (tests/test_moe.py keeps that reference).
 
 Routing replay: `forced_experts` [N, K] replaces the block's own top-k; the gate weights are still
@@ -39,6 +40,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from portable_rl.errors import ConfigError
+from portable_rl.learner_jax.sharding import expert_parallel_size, row_spec
 
 
 class Routing(NamedTuple):
@@ -48,7 +53,15 @@ class Routing(NamedTuple):
 
 
 class Experts(nnx.Module):
-    """E SwiGLU experts, weights stacked [E, in, out] (kernels are [in, out], as in `Linear`)."""
+    """E SwiGLU experts, weights stacked [E, in, out] (kernels are [in, out], as in `Linear`):
+    `experts(x [N, D], experts [N, K], weights [N, K]) -> Σ_k w_k · SwiGLU_{e_k}(x)  [N, D] float32`.
+
+    Expert parallelism: when the mesh set with `jax.set_mesh` has an `expert` axis of size P > 1
+    (sharding.py), each of its devices holds E / P experts and the tokens of its batch rows; inside a
+    `shard_map` the P devices of an expert group all-gather their tokens (and routing), each runs its
+    own experts on the pairs routed to them (the others contribute 0), and a reduce-scatter sums the
+    partial outputs back onto the devices the tokens came from (Megatron's all-gather token
+    dispatcher). No device ever holds more than its group's tokens or its own experts."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, param_dtype, compute_dtype,
                  rngs: nnx.Rngs):
@@ -58,21 +71,49 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, width, hidden), param_dtype))  # [E, F, D]
         self.compute_dtype = compute_dtype
 
-    def _grouped(self, rows, weights, group_sizes):  # [M, in] x [E, in, out] -> [M, out] compute dtype
-        c = self.compute_dtype
-        return jax.lax.ragged_dot(rows.astype(c), weights.astype(c), group_sizes,
-                                  preferred_element_type=jnp.float32).astype(c)
+    def __call__(self, x, experts, weights):
+        params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        num_experts = params[0].shape[0]
+        ways = expert_parallel_size()
+        if ways == 1:
+            return grouped_swiglu(x, experts, weights, *params, first_expert=0, compute_dtype=self.compute_dtype)
+        if num_experts % ways:
+            raise ConfigError(f"the mesh's expert axis ({ways} devices) does not divide num_experts={num_experts}; "
+                              f"set MeshConfig(expert=...) to a divisor of {num_experts}")
+        rows = row_spec()
 
-    def __call__(self, x, experts):  # x [N, D], experts [N, K] int -> [N, K, D] compute dtype
-        N, K = experts.shape
-        flat = experts.reshape(-1)                                        # [N·K] expert of each pair
-        order = jnp.argsort(flat, stable=True)                            # [N·K] pairs sorted by expert
-        group_sizes = jnp.bincount(flat, length=self.gate_proj.shape[0]).astype(jnp.int32)  # [E]
-        rows = x[order // K]                                              # [N·K, D] token of each pair
-        h = (jax.nn.silu(self._grouped(rows, self.gate_proj[...], group_sizes))
-             * self._grouped(rows, self.up_proj[...], group_sizes))       # [N·K, F]
-        y_sorted = self._grouped(h, self.down_proj[...], group_sizes)     # [N·K, D]
-        return y_sorted[jnp.argsort(order)].reshape(N, K, -1)             # back to (token, slot) order
+        def local(x, experts, weights, gate, up, down):  # this device's rows and E / P experts
+            gathered = [jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, experts, weights)]
+            first = jax.lax.axis_index("expert") * gate.shape[0]
+            y = grouped_swiglu(*gathered, gate, up, down, first_expert=first, compute_dtype=self.compute_dtype)
+            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)   # [rows, D]
+
+        experts_spec = PartitionSpec("expert")
+        return jax.shard_map(local, in_specs=(rows, rows, rows, experts_spec, experts_spec, experts_spec),
+                             out_specs=rows)(x, experts, weights, *params)
+
+
+def grouped_swiglu(x, experts, weights, gate, up, down, *, first_expert, compute_dtype):
+    """Σ_k w_k · SwiGLU_{e_k}(x) [M, D] float32 over the experts first_expert .. first_expert + E_l - 1
+    held here (gate, up [E_l, D, F], down [E_l, F, D]); pairs routed elsewhere contribute 0.
+    x [M, D], experts [M, K] int, weights [M, K] float32."""
+    M, K = experts.shape
+    held = gate.shape[0]
+    local = experts.reshape(-1) - first_expert                            # [M·K] expert of each pair, here
+    mine = (local >= 0) & (local < held)
+    key = jnp.where(mine, local, held)                                    # pairs held elsewhere sort last
+    order = jnp.argsort(key, stable=True)                                 # [M·K] pairs sorted by expert
+    group_sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)  # [E_l]; the rest: no group
+
+    def grouped(rows, w):  # [M·K, in] x [E_l, in, out] -> [M·K, out]; rows past the groups -> 0
+        return jax.lax.ragged_dot(rows.astype(compute_dtype), w.astype(compute_dtype), group_sizes,
+                                  preferred_element_type=jnp.float32).astype(compute_dtype)
+
+    rows = x[order // K]                                                  # [M·K, D] token of each pair
+    h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)              # [M·K, F]
+    y_pairs = grouped(h, down)[jnp.argsort(order)].reshape(M, K, -1)      # back to (token, slot) order
+    y_pairs = jnp.where(mine.reshape(M, K, 1), y_pairs.astype(jnp.float32), 0.0)
+    return jnp.einsum("mk,mkd->md", weights, y_pairs)                     # [M, D] f32
 
 
 def route(logits, top_k: int, norm_topk_prob: bool, forced_experts=None):
