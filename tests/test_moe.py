@@ -223,6 +223,37 @@ def test_unknown_moe_family_and_bad_top_k_are_one_line_errors(ckpts):
         ModelConfig.from_hf_dict({**config, "num_experts_per_tok": 7})
 
 
+def test_router_aux_loss_coef_adds_the_load_balancing_loss_to_the_rl_loss(ckpts, ids):
+    from portable_rl.rl.config import LossConfig
+    from portable_rl.rl.learner import make_loss_fn
+
+    model, config = fp32_model(ckpts("qwen3_moe_norm"))
+    rng = np.random.RandomState(3)
+    response = np.ones((B, T), np.float32)
+    response[:, :5] = 0                                                     # the prompt
+    batch = {"input_ids": ids, "segment_ids": np.ones((B, T), np.int32),
+             "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)), "old_logprobs": -response,
+             "advantages": rng.randn(B, T).astype(np.float32), "response_mask": response,
+             "keep_mask": np.ones((B, T), np.float32), "rollout_logprobs": -response,
+             "tis_weights": np.ones((B, T), np.float32), "token_weights": response / response.sum()}
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+
+    def loss_and_router_grad(coef):
+        loss_fn = make_loss_fn(LossConfig(router_aux_loss_coef=coef), 1.0)
+        (loss, sums), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(model, batch)
+        return float(loss), sums, grads["layers"][0]["mlp"]["router"]["kernel"][...]
+
+    off, sums_off, router_off = loss_and_router_grad(0.0)
+    on, sums_on, router_on = loss_and_router_grad(0.5)
+    _, routing = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"],
+                                     positions=batch["positions"], return_routing=True)
+    aux = float(load_balancing_loss(routing.logits, config.num_experts_per_tok))
+    assert "router_aux_loss" not in sums_off
+    np.testing.assert_allclose(float(sums_on["router_aux_loss"] / sums_on["tokens"]), aux, rtol=1e-6)
+    np.testing.assert_allclose(on - off, 0.5 * aux, rtol=1e-5)                 # token-mean: Σ ω = 1
+    assert float(jnp.abs(router_on - router_off).max()) > 0
+
+
 EXPERT_PARALLEL = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
