@@ -16,8 +16,9 @@ matmul is one grouped matmul over the sorted rows, `jax.lax.ragged_dot(x_sorted 
 W [E, D, F], group_sizes [E])`: row r is multiplied by the weights of the expert whose group holds it.
 The outputs are put back in (token, slot) order with the inverse permutation and mixed with w
 (`grouped_swiglu`). With an `expert` mesh axis the experts are split over devices and tokens exchanged
-inside a shard_map (`Experts` says how). No token is dropped and no slot padded, so the block equals the all-experts reference
-Σ_e mask_e · w_e · SwiGLU_e(x) exactly (tests/test_moe.py keeps that reference).
+inside a shard_map (`Experts` says how). No token is dropped and no slot padded, so the block computes
+the all-experts function Σ_e w_e · SwiGLU_e(x) (w_e = 0 off the top-k) up to float32 summation order
+(tests/test_moe.py keeps that dense reference and checks the gradients against it).
 
 Routing replay: `forced_experts` [N, K] replaces the block's own top-k; the gate weights are still
 p gathered at those experts (renormalised if norm_topk_prob), so the router gets gradients. The
@@ -29,8 +30,9 @@ keeps them in the model dtype, which is the same thing in fp32), the softmax, to
 (as in transformers), the expert matmuls take compute-dtype inputs with float32 accumulation and return
 the compute dtype (like `Linear`), and the mix Σ_k w_k · y_k is float32.
 
-`load_balancing_loss` is transformers' auxiliary loss (`load_balancing_loss_func`), for RL recipes that
-want it (off by default: RL fine-tuning usually leaves the router's balance to the pre-training).
+`load_balancing_loss` is transformers' auxiliary loss (`load_balancing_loss_func`); the RL loss adds it
+with `LossConfig.router_aux_loss_coef`, 0 (off) by default: RL recipes leave the router's balance to
+pre-training.
 """
 
 from __future__ import annotations
