@@ -238,8 +238,11 @@ def save_hf_model(model: Transformer, config: ModelConfig, path: str | os.PathLi
     hf_config["dtype" if "dtype" in hf_config else "torch_dtype"] = dtype
 
     itemsize = jnp.dtype(_DTYPES[dtype]).itemsize
-    sizes = [(m.hf_name, math.prod(get_param(model, m.nnx_path).shape[m.expert is not None:]) * itemsize)
-             for m in param_mappings(config)]
+    def hf_size(m):  # an expert row is one [in, out] slice of its stacked array
+        shape = get_param(model, m.nnx_path).shape
+        return math.prod(shape if m.expert is None else shape[1:]) * itemsize
+
+    sizes = [(m.hf_name, hf_size(m)) for m in param_mappings(config)]
     plan = _plan_shards(sizes, max_shard_bytes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
