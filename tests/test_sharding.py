@@ -24,12 +24,13 @@ from portable_rl.learner_jax.sharding import (MESH_AXES, MeshConfig, gather_for_
 
 
 def test_mesh_shape_fills_one_axis_and_rejects_bad_sizes():
-    assert mesh_shape(MeshConfig(), 8) == (1, 8, 1)
-    assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 2)
-    assert mesh_shape(MeshConfig(data=2, fsdp=4, tensor=1), 8) == (2, 4, 1)
+    assert mesh_shape(MeshConfig(), 8) == (1, 8, 1, 1)
+    assert mesh_shape(MeshConfig(data=2, fsdp=-1, tensor=2), 8) == (2, 2, 1, 2)
+    assert mesh_shape(MeshConfig(data=2, fsdp=4, tensor=1), 8) == (2, 4, 1, 1)
+    assert mesh_shape(MeshConfig(fsdp=2, expert=-1), 8) == (1, 2, 4, 1)
     with pytest.raises(ValueError, match="do not divide the 8 devices"):
         mesh_shape(MeshConfig(data=3, fsdp=-1), 8)
-    with pytest.raises(ValueError, match="needs data\\*fsdp\\*tensor = 4 devices but there are 8"):
+    with pytest.raises(ValueError, match="needs data\\*fsdp\\*expert\\*tensor = 4 devices but there are 8"):
         mesh_shape(MeshConfig(data=2, fsdp=2, tensor=1), 8)
     with pytest.raises(ValueError, match="at most one axis"):
         MeshConfig(data=-1, fsdp=-1)
@@ -38,7 +39,7 @@ def test_mesh_shape_fills_one_axis_and_rejects_bad_sizes():
 
 
 def test_logical_to_spec_replicates_dims_that_do_not_divide():
-    mesh = AbstractMesh((2, 2, 2), MESH_AXES)
+    mesh = AbstractMesh((2, 2, 1, 2), MESH_AXES)
     assert logical_to_spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
     assert logical_to_spec(("vocab", "embed"), (125, 64), mesh) == P(None, "fsdp")   # odd vocab
     assert logical_to_spec(("batch", None), (8, 16), mesh) == P(("data", "fsdp"), None)
@@ -52,13 +53,16 @@ def test_logical_to_spec_replicates_dims_that_do_not_divide():
 
 def test_shard_batch_rejects_rows_that_do_not_split_and_export_keeps_single_device_arrays():
     with pytest.raises(ValueError, match="6 rows, not a multiple of the 4 batch shards"):
-        shard_batch({"input_ids": np.zeros((6, 3), np.int32), "num_rows": 6}, AbstractMesh((2, 2, 2), MESH_AXES))
+        shard_batch({"input_ids": np.zeros((6, 3), np.int32), "num_rows": 6}, AbstractMesh((2, 2, 1, 2), MESH_AXES))
     x = jnp.ones((4, 4), jnp.bfloat16)
     assert gather_for_export(x) is x   # the unsharded weight push stays zero-copy
 
 
 @pytest.mark.parametrize("family,extra", [("qwen2", {}), ("qwen3", {"attention_bias": True}),
-                                          ("llama", {"tie_word_embeddings": True})])
+                                          ("llama", {"tie_word_embeddings": True}),
+                                          ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32, mlp_only_layers=(1,),
+                                                             shared_expert_intermediate_size=64))])
 def test_every_parameter_has_a_rule(family, extra):
     cfg = ModelConfig(family=family, vocab_size=125, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)
@@ -69,7 +73,7 @@ def test_every_parameter_has_a_rule(family, extra):
     # Optimizer moments mirror the parameter paths under a prefix and get the same spec.
     assert param_logical_axes("opt_state.inner_state.1.0.mu.layers.1.mlp.down_proj.kernel", 2) == ("mlp", "embed")
     assert param_logical_axes("opt_state.count", 0) is None
-    specs = state_shardings(nnx.state(model, nnx.Param), AbstractMesh((1, 4, 2), MESH_AXES))
+    specs = state_shardings(nnx.state(model, nnx.Param), AbstractMesh((1, 4, 1, 2), MESH_AXES))
     q = specs["layers"][0]["attn"]["q_proj"]["kernel"]
     assert jax.tree.leaves(q)[0].spec == P("fsdp", "tensor")
 

@@ -2,6 +2,8 @@
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Names follow `convert/mapping.py`; linear weights are transposed.
+MoE experts: the E per-expert HF matrices of a stacked NNX array [E, in, out] are stacked on load and
+sliced (`value[e]`) on export, so checkpoints and pushes use the hub's per-expert names.
 
 `save_hf_model` writes config.json + safetensors into a temporary sibling directory and renames it
 into place, so a crash never leaves a half-written checkpoint. Tokenizer files are not copied
@@ -123,26 +125,40 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
     by_file: dict[Path, list[ParamMapping]] = {}
     for name, m in mappings.items():
         by_file.setdefault(files[name], []).append(m)
+    expert_slices: dict[tuple, dict[int, jax.Array]] = {}  # stacked NNX path -> {expert: [in, out]}
     for fname, ms in by_file.items():
         with safe_open(fname, framework="flax") as st:
             for m in ms:
                 param = get_param(model, m.nnx_path)
                 value = st.get_tensor(m.hf_name)
-                hf_shape = tuple(reversed(param.shape)) if m.transpose else tuple(param.shape)
+                shape = param.shape if m.expert is None else param.shape[1:]
+                hf_shape = tuple(reversed(shape)) if m.transpose else tuple(shape)
                 if tuple(value.shape) != hf_shape:
                     raise ValueError(f"tensor {m.hf_name!r} has shape {tuple(value.shape)} in {fname.name} "
                                      f"but config.json implies {hf_shape}; fix config.json")
-                param.set_value(_cast(value, param_dtype, m.transpose))
+                if m.expert is None:
+                    param.set_value(_cast(value, param_dtype, m.transpose))
+                else:
+                    expert_slices.setdefault(m.nnx_path, {})[m.expert] = _cast(value, param_dtype, m.transpose)
+    for nnx_path, slices in expert_slices.items():  # every expert is there: `missing` above checked
+        get_param(model, nnx_path).set_value(jnp.stack([slices[e] for e in range(len(slices))]))
     return model, config
 
 
 # ---------------------------------------------------------------------------------------- export
+def _mapped_values(model: Transformer, config: ModelConfig) -> Iterator[tuple[ParamMapping, jax.Array]]:
+    """(mapping row, its value in the NNX layout), lazily; an expert row gets its slice of the stacked
+    [E, ...] array."""
+    for m in param_mappings(config):
+        value = get_param(model, m.nnx_path)[...]
+        yield m, (value if m.expert is None else value[m.expert])
+
+
 def cast_params(model: Transformer, config: ModelConfig, dtype="bfloat16"
                 ) -> Iterator[tuple[ParamMapping, jax.Array]]:
     """(mapping row, parameter cast to `dtype` in the NNX layout), lazily; no copy if already `dtype`."""
     dtype = _DTYPES[_dtype_name(dtype)]
-    for m in param_mappings(config):
-        value = get_param(model, m.nnx_path)[...]
+    for m, value in _mapped_values(model, config):
         value = value if value.dtype == dtype else value.astype(dtype)
         # A sharded learner (learner_jax/sharding.py) holds multi-device arrays, which DLPack cannot
         # export: gather this one parameter (after the cast: fewer bytes). Single-device arrays are
@@ -167,8 +183,7 @@ def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", 
     if quantization is not None:
         from portable_rl.engines.quantize import NonFiniteWeightError, int8_scale_name, is_quantized_projection
     dtype = _DTYPES[_dtype_name(dtype)]
-    for m in param_mappings(config):
-        value = get_param(model, m.nnx_path)[...]
+    for m, value in _mapped_values(model, config):
         if smoothing is not None:
             value = smoothing.apply(m.hf_name, value)
         value = value if value.dtype == dtype else value.astype(dtype)
@@ -223,8 +238,11 @@ def save_hf_model(model: Transformer, config: ModelConfig, path: str | os.PathLi
     hf_config["dtype" if "dtype" in hf_config else "torch_dtype"] = dtype
 
     itemsize = jnp.dtype(_DTYPES[dtype]).itemsize
-    sizes = [(m.hf_name, math.prod(get_param(model, m.nnx_path).shape) * itemsize)
-             for m in param_mappings(config)]
+    def hf_size(m):  # an expert row is one [in, out] slice of its stacked array
+        shape = get_param(model, m.nnx_path).shape
+        return math.prod(shape if m.expert is None else shape[1:]) * itemsize
+
+    sizes = [(m.hf_name, hf_size(m)) for m in param_mappings(config)]
     plan = _plan_shards(sizes, max_shard_bytes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))

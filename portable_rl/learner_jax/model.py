@@ -1,8 +1,9 @@
-"""Decoder-only transformer in Flax NNX covering Qwen2, Qwen3 and Llama 3 (HF numerics).
+"""Decoder-only transformer in Flax NNX covering Qwen2, Qwen3, Llama 3, Qwen3-MoE and Qwen2-MoE (HF numerics).
 
   x_0     = embed[input_ids]
   h       = x_l + o_proj(attn(rope(q_norm(W_q n(x_l))), rope(k_norm(W_k n(x_l))), W_v n(x_l)))
   x_{l+1} = h + W_down(silu(W_gate n(h)) * W_up n(h))                     (SwiGLU)
+  x_{l+1} = h + Σ_k w_k SwiGLU_{e_k}(n(h)) [+ shared expert]              (MoE layers, moe.py)
   logits  = final_norm(x_L) @ W_lm_head   (W_lm_head = embed^T when tied), float32
 
 n(.) is RMSNorm: gain * x * rsqrt(mean(x^2) + eps) in float32, cast to the compute dtype.
@@ -44,6 +45,7 @@ from portable_rl.learner_jax.attention import attention
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.dense import dense
 from portable_rl.learner_jax.memory import REMAT_POLICIES
+from portable_rl.learner_jax.moe import Experts, Routing, route
 from portable_rl.learner_jax.sharding import constrain_batch_rows
 
 
@@ -142,8 +144,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
-        d, f = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelConfig, *, intermediate_size: int | None = None, param_dtype, compute_dtype,
+                 rngs: nnx.Rngs):
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
         linear = dict(use_bias=False, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         self.gate_proj = Linear(d, f, **linear)
         self.up_proj = Linear(d, f, **linear)
@@ -153,17 +156,55 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nnx.Module):
+class MoEBlock(nnx.Module):
+    """Routed experts (+ Qwen2-MoE's sigmoid-gated shared expert), formulas in moe.py:
+    `block(x [B, T, D], forced_experts [B·T, K] | None) -> (y [B, T, D] compute dtype, Routing)`."""
+
     def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        d, shared = config.hidden_size, config.shared_expert_intermediate_size
+        linear = dict(use_bias=False, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+        self.router = Linear(d, config.num_experts, **linear)
+        self.experts = Experts(config.num_experts, d, config.moe_intermediate_size, param_dtype=param_dtype,
+                               compute_dtype=compute_dtype, rngs=rngs)
+        if shared:
+            self.shared_expert = MLP(config, intermediate_size=shared, param_dtype=param_dtype,
+                                     compute_dtype=compute_dtype, rngs=rngs)
+            self.shared_expert_gate = Linear(d, 1, **linear)
+        self.has_shared_expert = bool(shared)
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x, forced_experts=None):
+        B, T, D = x.shape
+        x = x.reshape(B * T, D)                                                   # [N, D]
+        logits = dense(x, self.router.kernel[...], self.compute_dtype, jnp.float32)  # [N, E] f32
+        experts, weights, own = route(logits, self.top_k, self.norm_topk_prob, forced_experts)  # [N, K] each
+        y = self.experts(x, experts, weights)                                      # [N, D] f32
+        if self.has_shared_expert:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [N, 1]
+            y = y + gate * self.shared_expert(x).astype(jnp.float32)
+        return y.astype(self.compute_dtype).reshape(B, T, D), Routing(logits, own)
+
+
+class DecoderLayer(nnx.Module):
+    """`layer(x, cos, sin, segment_ids, forced_experts=None) -> (x, Routing | None)`: Routing only
+    for a sparse (MoE) layer."""
+
+    def __init__(self, config: ModelConfig, *, sparse: bool = False, param_dtype, compute_dtype,
+                 rngs: nnx.Rngs):
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         self.attn = Attention(config, **dtypes, rngs=rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
-        self.mlp = MLP(config, **dtypes, rngs=rngs)
+        self.mlp = (MoEBlock if sparse else MLP)(config, **dtypes, rngs=rngs)
+        self.sparse = sparse
 
-    def __call__(self, x, cos, sin, segment_ids):  # x [B, T, D] float32 residual stream
+    def __call__(self, x, cos, sin, segment_ids, forced_experts=None):  # x [B, T, D] float32 residual stream
         x = x + self.attn(self.input_norm(x), cos, sin, segment_ids).astype(jnp.float32)
-        return x + self.mlp(self.post_attn_norm(x)).astype(jnp.float32)
+        if not self.sparse:
+            return x + self.mlp(self.post_attn_norm(x)).astype(jnp.float32), None
+        y, routing = self.mlp(self.post_attn_norm(x), forced_experts)
+        return x + y.astype(jnp.float32), routing
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -231,9 +272,10 @@ def remat_function(fn, remat: str):
 
 
 def _layer_function(graphdef):
-    """A pure `(layer state, x, cos, sin, segment_ids) -> x` for one `DecoderLayer` (for remat_function)."""
-    def apply(state, x, cos, sin, segment_ids):
-        return nnx.merge(graphdef, state)(x, cos, sin, segment_ids)
+    """A pure `(layer state, x, cos, sin, segment_ids, forced_experts) -> (x, Routing | None)` for one
+    `DecoderLayer` (for remat_function)."""
+    def apply(state, x, cos, sin, segment_ids, forced_experts):
+        return nnx.merge(graphdef, state)(x, cos, sin, segment_ids, forced_experts)
     return apply
 
 
@@ -274,8 +316,8 @@ class Transformer(nnx.Module):
         self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=param_dtype,
                                param_dtype=param_dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(config, **dtypes, rngs=rngs)
-                                for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(config, sparse=config.is_sparse_layer(i), **dtypes, rngs=rngs)
+                                for i in range(config.num_hidden_layers)])
         for layer in self.layers:
             layer.attn.attention_impl = self.attention_impl
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
@@ -286,7 +328,8 @@ class Transformer(nnx.Module):
     def __call__(self, input_ids, attention_mask=None):
         return self.logits(self.hidden_states(input_ids, attention_mask))
 
-    def hidden_states(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None):
+    def hidden_states(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None,
+                      routed_experts=None, return_routing=False):
         """[B, T] ids -> [B, T, D] final-norm outputs in the compute dtype (the head's input).
 
         Either `attention_mask` [B, T] 0/1 (one sequence per row, any padding side; positions are
@@ -294,6 +337,10 @@ class Transformer(nnx.Module):
         a contiguous run, 0 = padding) with `positions` [B, T] (default: restarting at 0 in each
         segment, `segment_positions`). A packed sequence gets exactly the hidden states it gets alone
         in a row: attention never crosses segments and RoPE sees its own positions.
+
+        MoE models: `routed_experts` [B, T, S, K] int (S sparse layers, in layer order) replaces each
+        sparse layer's own top-k (routing replay, moe.py); `return_routing=True` returns
+        `(hidden, Routing(logits [S, B·T, E] f32, experts [S, B·T, K] the routers' own top-k))`.
         """
         B, T = input_ids.shape
         if segment_ids is None:
@@ -309,14 +356,26 @@ class Transformer(nnx.Module):
 
         # Residual stream in float32: bf16 only at matmul inputs (norm outputs) and outputs.
         x = self.embed(input_ids).astype(jnp.float32)                          # [B, T, D] f32
+        routings = []
         for layer in self.layers:
             x = constrain_batch_rows(x)  # rows stay split over the mesh (sharding.py says why)
+            forced = None
+            if layer.sparse and routed_experts is not None:                    # [B·T, K]
+                forced = routed_experts[:, :, len(routings)].reshape(B * T, -1)
             if self.remat == "none":
-                x = layer(x, cos, sin, segment_ids)
+                x, routing = layer(x, cos, sin, segment_ids, forced)
             else:  # a pure function of the layer's arrays, so the backward can re-run it
                 graphdef, state = nnx.split(layer)
-                x = remat_function(_layer_function(graphdef), self.remat)(state, x, cos, sin, segment_ids)
-        return self.final_norm(constrain_batch_rows(x))
+                x, routing = remat_function(_layer_function(graphdef), self.remat)(state, x, cos, sin,
+                                                                                   segment_ids, forced)
+            if routing is not None:
+                routings.append(routing)
+        hidden = self.final_norm(constrain_batch_rows(x))
+        if not return_routing:
+            return hidden
+        if not routings:
+            raise ConfigError(f"return_routing=True needs a mixture-of-experts model; {self.config.family} is dense")
+        return hidden, Routing(*(jnp.stack(parts) for parts in zip(*routings)))
 
     def logits(self, x):
         """[..., D] hidden states -> [..., V] float32 logits."""

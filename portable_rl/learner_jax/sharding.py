@@ -2,7 +2,7 @@
 
 Scheme (T5X / MaxText style, on the unchanged model and train step):
 
-    mesh        = devices arranged as [data, fsdp, tensor]                       (MeshConfig)
+    mesh        = devices arranged as [data, fsdp, expert, tensor]               (MeshConfig)
     parameter   → logical axes per dimension   (PARAM_LOGICAL_AXES, by NNX path)
     logical axis → mesh axes                   (LOGICAL_AXIS_RULES)
     spec        = PartitionSpec(mesh axes per dimension) → NamedSharding(mesh, spec)
@@ -17,6 +17,9 @@ forward, backward and optimizer update, and inserts the all-gathers / reduce-sca
     fsdp    ZeRO-3: batch rows split AND the `embed` dimension of every matrix split (params, grads,
             moments are 1/fsdp per device; weights are all-gathered just in time)
     tensor  Megatron-style: heads / mlp / vocab dimensions split; activations of those dims stay split
+    expert  expert parallelism (MoE models): batch rows split like fsdp, and the experts dimension of the
+            stacked expert weights split; the MoE layers exchange tokens inside a shard_map
+            (learner_jax/moe.py, `Experts`). Must divide the expert count.
 
 A dimension that does not divide its mesh axes' size is replicated instead (so a tiny model runs on
 any mesh); the result is the same, only the memory saving is lost for that dimension.
@@ -43,11 +46,12 @@ from portable_rl.errors import ConfigError
 
 _log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis → mesh axes (a name, a tuple of names, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch",    ("data", "fsdp")),   # rows of a batch; activations follow by propagation
+    ("batch",    ("data", "fsdp", "expert")),  # rows of a batch; activations follow by propagation
+    ("experts",  "expert"),           # the E dimension of stacked MoE expert weights
     ("embed",    "fsdp"),             # the hidden-size dimension of every matrix (ZeRO-3 split)
     ("vocab",    "tensor"),
     ("heads",    "tensor"),           # num_heads * head_dim (head-major, so the split is by heads)
@@ -76,6 +80,14 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     ("layers.*.mlp.gate_proj.kernel", ("embed", "mlp")),         # [D, F]
     ("layers.*.mlp.up_proj.kernel",   ("embed", "mlp")),         # [D, F]
     ("layers.*.mlp.down_proj.kernel", ("mlp", "embed")),         # [F, D]
+    ("layers.*.mlp.router.kernel",    ("embed", None)),          # [D, E]  (MoE layers)
+    ("layers.*.mlp.experts.gate_proj", ("experts", "embed", "mlp")),  # [E, D, F]
+    ("layers.*.mlp.experts.up_proj",   ("experts", "embed", "mlp")),  # [E, D, F]
+    ("layers.*.mlp.experts.down_proj", ("experts", "mlp", "embed")),  # [E, F, D]
+    ("layers.*.mlp.shared_expert.gate_proj.kernel", ("embed", "mlp")),  # [D, F_s]  (qwen2_moe)
+    ("layers.*.mlp.shared_expert.up_proj.kernel",   ("embed", "mlp")),  # [D, F_s]
+    ("layers.*.mlp.shared_expert.down_proj.kernel", ("mlp", "embed")),  # [F_s, D]
+    ("layers.*.mlp.shared_expert_gate.kernel",      ("embed", None)),   # [D, 1]
     ("final_norm.scale",              ("norm",)),                # [D]
     ("lm_head.kernel",                ("embed", "vocab")),       # [D, V]  (untied only)
 )
@@ -92,11 +104,14 @@ class MeshConfig:
       data: devices of the data-parallel axis (params replicated, batch rows split); -1: the remaining ones.
       fsdp: devices of the ZeRO-3 axis (batch rows and every matrix's embed dimension split); -1: the
         remaining ones.
+      expert: devices of the expert-parallel axis (MoE models: batch rows and the experts split; must divide
+        the expert count); -1: the remaining ones.
       tensor: devices of the tensor-parallel axis (heads, mlp and vocab dimensions split); -1: the remaining
         ones.
     """
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):
@@ -107,8 +122,8 @@ class MeshConfig:
             raise ConfigError(f"MeshConfig: at most one axis may be -1 (fill), got {self}")
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with the -1 axis filled; their product is `num_devices`."""
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, expert, tensor) with the -1 axis filled; their product is `num_devices`."""
     sizes = list(dataclasses.astuple(cfg))
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -117,13 +132,13 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
                               f"{num_devices} devices; choose sizes whose product divides {num_devices}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ConfigError(f"mesh {cfg} needs data*fsdp*tensor = {math.prod(sizes)} devices but there are "
+        raise ConfigError(f"mesh {cfg} needs data*fsdp*expert*tensor = {math.prod(sizes)} devices but there are "
                           f"{num_devices}; set one axis to -1 or pass devices= with that many devices")
     return tuple(sizes)
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence | None = None) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices of all processes).
+    """A ("data", "fsdp", "expert", "tensor") mesh over `devices` (default: all devices of all processes).
 
     Axis types are Auto: shardings are propagated by GSPMD, so unannotated code (the model, optax)
     runs as is.
@@ -274,12 +289,26 @@ def constrain_batch_rows(x, rules=LOGICAL_AXIS_RULES):
     devices on each one; 13.4 GB of temporaries instead of 7.2 GB; benchmarks/learner_memory.py).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in _mesh_axes(rules, "batch") if a in mesh.axis_names and mesh.shape[a] > 1)
+    axes = () if mesh.empty else _split_batch_axes(mesh, rules)
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+
+
+def _split_batch_axes(mesh, rules=LOGICAL_AXIS_RULES) -> tuple[str, ...]:
+    return tuple(a for a in _mesh_axes(rules, "batch") if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def expert_parallel_size() -> int:
+    """Devices of the `expert` axis of the mesh set with `jax.set_mesh` (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+
+
+def row_spec(rules=LOGICAL_AXIS_RULES) -> PartitionSpec:
+    """PartitionSpec of [rows, ...] arrays split over the set mesh's batch axes (a shard_map's in/out spec)."""
+    axes = _split_batch_axes(jax.sharding.get_abstract_mesh(), rules)
+    return PartitionSpec(axes if len(axes) > 1 else (axes[0] if axes else None))
 
 
 def pad_rows(x: np.ndarray, multiple: int) -> np.ndarray:

@@ -202,6 +202,9 @@ class LossConfig:
         'bypass' (old := rollout logprobs: no recompute, no correction weights).
       old_logprobs_from_update: decoupled: the first mini-batch's old logprobs come from its own update's
         forward (the policy has not moved yet), one forward fewer per step; only with a token-local correction.
+      router_aux_loss_coef: MoE policies: coefficient of transformers' load-balancing loss
+        (learner_jax/moe.py), added to every loss token's term under the loss aggregation; 0: off, as in RL
+        recipes (transformers' pre-training default is 0.001).
     """
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
@@ -215,6 +218,7 @@ class LossConfig:
     loss_norm_constant: Optional[int] = None
     policy_loss_mode: str = "decoupled"
     old_logprobs_from_update: bool = True
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         from portable_rl.learner_jax.losses import AGGREGATIONS  # the loss owns the list; checked here, at config time
@@ -225,6 +229,8 @@ class LossConfig:
             raise ConfigError(f"policy_loss_mode={self.policy_loss_mode!r}; use one of {POLICY_LOSS_MODES}")
         if self.loss_aggregation not in AGGREGATIONS:
             raise ConfigError(f"loss_aggregation={self.loss_aggregation!r}; use one of {AGGREGATIONS}")
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (0: off)")
         for name in ("mini_batch_size", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

@@ -83,6 +83,7 @@ from flax import nnx
 from portable_rl import tis
 from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.logprobs import sequence_logprobs
+from portable_rl.learner_jax.moe import load_balancing_loss
 from portable_rl.learner_jax.losses import loss_token_weights, policy_loss
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
@@ -111,17 +112,20 @@ def _sequences(layouts: list[batching.Layout]) -> np.ndarray:
 _MAX_METRICS = ("ratio_max",)
 
 
-def row_logprobs(model, batch, temperature: float, chunk_tokens=None):
+def row_logprobs(model, batch, temperature: float, chunk_tokens=None, return_routing=False):
     """(logp, entropy) [R, L] of rows that may pack several sequences (`segment_ids` / `positions`); with a
-    `sampling_support` [R, L, K], logp is renormalised over each token's support (learner_jax/logprobs.py)."""
+    `sampling_support` [R, L, K], logp is renormalised over each token's support (learner_jax/logprobs.py).
+    `return_routing`: (logp, entropy, the MoE layers' `Routing`)."""
     return sequence_logprobs(model, batch["input_ids"], None, temperature, segment_ids=batch["segment_ids"],
                              positions=batch["positions"], chunk_tokens=chunk_tokens,
-                             sampling_support=batch.get(_SUPPORT))
+                             sampling_support=batch.get(_SUPPORT), return_routing=return_routing)
 
 
 def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, model_view=None):
     """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
-    and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings.
+    and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings and
+    `router_aux_loss_coef` c: with c > 0 (MoE policies) every loss token's term gains c · the micro-batch's
+    load-balancing loss (moe.py), i.e. the loss gains c · aux · Σ ω over the micro-batch's loss tokens.
     `model_view(model)`: the model the forward runs (the served view, `Learner.serve_weights_as`); None: `model`.
 
     A micro-batch of the deferred mini-batch (no `old_logprobs`; module doc) takes its old logprobs from this
@@ -131,7 +135,11 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
     def loss_fn(model, batch):
         if model_view is not None:
             model = model_view(model)
-        new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
+        aux_coef = cfg.router_aux_loss_coef
+        if aux_coef:
+            new_logp, entropy, routing = row_logprobs(model, batch, temperature, chunk_tokens, return_routing=True)
+        else:
+            new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
         deferred = {}
         if "old_logprobs" not in batch:
             old = jax.lax.stop_gradient(new_logp) * batch["response_mask"]             # [R, L]
@@ -148,6 +156,11 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
             clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c,
             mode=cfg.policy_loss_mode, token_weights=batch["token_weights"])
         tokens = (mask > 0).sum().astype(jnp.float32)
+        if aux_coef:
+            aux = load_balancing_loss(routing.logits, model.config.num_experts_per_tok,
+                                      (batch["segment_ids"] > 0).reshape(-1))
+            loss = loss + aux_coef * aux * jnp.sum(batch["token_weights"] * mask)
+            metrics = dict(metrics, router_aux_loss=aux)
         sums = {k: v if k in _MAX_METRICS else v * tokens for k, v in metrics.items()}
         valid = batch["response_mask"] > 0
         sums.update(entropy=jnp.where(valid, entropy, 0.0).sum(), entropy_tokens=valid.sum().astype(jnp.float32),
@@ -157,7 +170,8 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
 
 
 DEFERRED_KEYS = ("old_logprobs", "tis_weights")  # what the deferred mini-batch's update computes: [R, L] arrays
-_LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode")
+_LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode "
+                                                       "router_aux_loss_coef", defaults=(0.0,))
 
 
 MASTER = "master"  # `_jitted`'s `served`: the learner's own weights (rl.PrecisionConfig.learner_precision)
@@ -365,7 +379,8 @@ class Learner:
 
     def _use_jitted(self):
         loss = self.cfg.loss
-        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode),
+        fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode,
+                                    loss.router_aux_loss_coef),
                       self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served)
         self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
         self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
