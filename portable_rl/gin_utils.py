@@ -350,14 +350,14 @@ def run_memory_plan(binding: str = "train.memory_plan", learner_devices: int | N
     if mesh is not None:
         from portable_rl.learner_jax.sharding import mesh_shape
 
-        sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+        sizes = (mesh.data, mesh.fsdp, mesh.expert, mesh.tensor)
         if -1 not in sizes:
             learner_devices = math.prod(sizes)
         elif learner_devices is None:  # before JAX starts: nvidia-smi's GPUs on this host x the processes
             processes = int(os.environ.get("PORTABLE_RL_NUM_PROCESSES", os.environ.get("SLURM_NTASKS", 1)))
             learner_devices = max(1, detect_device_memory()[1]) * processes
-        _, fsdp, tensor = mesh_shape(mesh, learner_devices)
-        shards = fsdp * tensor
+        _, fsdp, expert, tensor = mesh_shape(mesh, learner_devices)
+        shards = fsdp * expert * tensor  # the learner's state is split over fsdp, expert (the experts) and tensor
     return plan.for_run(model_path=bound("rl.RunConfig.model_path", ""), precision=precision, learner_shards=shards,
                         engine=engine)
 

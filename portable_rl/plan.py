@@ -196,8 +196,8 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     m = device_gb * GB
     lines, warnings = [], []
     learner_devices = gpus if mesh_cfg is not None else 1
-    mesh = mesh_shape(mesh_cfg, learner_devices) if mesh_cfg is not None else (1, 1, 1)
-    shards = mesh[0] * mesh[1]
+    mesh = mesh_shape(mesh_cfg, learner_devices) if mesh_cfg is not None else (1, 1, 1, 1)  # data, fsdp, expert, tensor
+    shards = mesh[0] * mesh[1] * mesh[2]  # the batch's rows split over data, fsdp and expert
     gen, loss = algorithm.generation, algorithm.loss
     max_len = engine.max_model_len
     if max_len < gen.max_response_tokens:
@@ -229,7 +229,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     lines.append(f"model    {model_source}: {em.params / 1e9:.2f} B params, {hf['num_hidden_layers']} layers, "
                  f"hidden {hf['hidden_size']}, vocab {hf['vocab_size']}")
     lines.append(f"hardware {gpus} x {device_gb:.1f} GB")
-    lines.append(f"learner  mesh data={mesh[0]} fsdp={mesh[1]} tensor={mesh[2]} over {learner_devices} device(s); "
+    lines.append(f"learner  mesh data={mesh[0]} fsdp={mesh[1]} expert={mesh[2]} tensor={mesh[3]} over {learner_devices} device(s); "
                  f"micro-batch {rows} x {row_tokens} tokens/device, {micro} per mini-batch of "
                  f"{loss.mini_batch_size} x {gen.n_samples} sequences at MAX_MODEL_LEN {max_len}; remat "
                  f"{memory.remat}, attention {memory.attention_impl} (compiled as {compiled_memory['attention_impl']}), "
@@ -380,7 +380,7 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
         if em.tensor_parallel < tp <= gpus and fits_on(gpus, tp):
             out.append(f"the engine's tensor_parallel_size={tp} (ENGINE_KWARGS)")
             break
-    if temp > m / 4 and mesh[2] == 1:  # activations dominate: fsdp does not split them
+    if temp > m / 4 and mesh[3] == 1:  # activations dominate: fsdp does not split them
         out.append("a tensor axis in the learner's mesh (--gin.MESH_TENSOR=8: each layer's gathered weights and "
                    "activations split 8 ways; re-plan)")
     if memory.remat != "full":

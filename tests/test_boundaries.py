@@ -12,7 +12,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parent.parent / "portable_rl"
 TORCH_WORLD = {"torch", "vllm", "sglang", "transformers"}
 JAX_WORLD = {"jax", "jaxlib", "flax", "optax", "orbax"}
-GIN_ENTRY_POINTS = {"train.py", "evaluate.py", "gin_utils.py", "warmstart.py"}
+GIN_ENTRY_POINTS = {"train.py", "evaluate.py", "gin_utils.py", "warmstart.py", "plan.py"}
 
 
 def imported_top_level_modules(path: pathlib.Path) -> set[str]:

@@ -83,7 +83,7 @@ def test_extrapolated_learner_peak_bounds_the_full_compile():
           "tie_word_embeddings": False}
     memory = dict(attention_impl="blockwise", pack_sequences=True, max_tokens_per_micro_batch=256,
                   logprob_chunk_tokens=128, remat="full", share_prompts=False)
-    request = PeakRequest(hf_config=hf, mesh=(1, 2, 1), memory=memory, rows=1, row_tokens=256, micro_batches=1)
+    request = PeakRequest(hf_config=hf, mesh=(1, 2, 1, 1), memory=memory, rows=1, row_tokens=256, micro_batches=1)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     payload = json.dumps([dataclasses.asdict(request.with_layers(n)) for n in (1, 2, 4)])
     proc = subprocess.run([sys.executable, "-m", "portable_rl.planning.learner_peak"], input=payload, env=env,

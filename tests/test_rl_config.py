@@ -23,7 +23,7 @@ FLAT_DEFAULTS = dict(
     max_response_tokens=64, overlong_buffer=0, overlong_penalty=1.0, advantage="grpo", mini_batch_size=32,
     ppo_epochs=1, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=None, loss_aggregation="token-mean",
     loss_norm_constant=None, policy_loss_mode="decoupled", min_seq_bucket=16, max_nonfinite_fraction=0.01,
-    top_p=1.0, top_k=-1, old_logprobs_from_update=True)
+    top_p=1.0, top_k=-1, old_logprobs_from_update=True, router_aux_loss_coef=0.0)
 
 
 def test_dapo_config_is_its_parts_with_disjoint_fields_and_the_flat_defaults():

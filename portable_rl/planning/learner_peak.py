@@ -60,7 +60,7 @@ class PeakRequest:
     (`learner.MemoryConfig` fields), the micro-batch layout per device and the dtypes (`rl.PrecisionConfig`)."""
 
     hf_config: dict
-    mesh: tuple                # (data, fsdp, tensor)
+    mesh: tuple                # (data, fsdp, expert, tensor)
     memory: dict               # learner.MemoryConfig fields
     rows: int                  # rows per device of one micro-batch
     row_tokens: int            # tokens per row
@@ -134,10 +134,10 @@ def abstract_batch(mesh, rows_per_device: int, seq: int, fields: dict):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from portable_rl.learner_jax.sharding import batch_shards
+    from portable_rl.learner_jax.sharding import LOGICAL_AXIS_RULES, batch_shards
 
     rows = rows_per_device * batch_shards(mesh)
-    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    sharding = NamedSharding(mesh, PartitionSpec(dict(LOGICAL_AXIS_RULES)["batch"]))
     return {k: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=sharding) for k, dtype in fields.items()}
 
 
@@ -241,8 +241,8 @@ def compile_request(request: PeakRequest) -> dict:
     if len(jax.devices()) < size:
         raise RuntimeError(f"JAX sees {len(jax.devices())} devices, the mesh needs {size}: use "
                            "predict_peak_in_subprocess (host devices are set before JAX starts)")
-    data, fsdp, tensor = request.mesh
-    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:size])
+    data, fsdp, expert, tensor = request.mesh
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, expert=expert, tensor=tensor), devices=jax.devices()[:size])
     memory = MemoryConfig(**request.memory)
     with jax.set_mesh(mesh):  # the model pins activations' rows to it (sharding.constrain_batch_rows)
         return predict_update_memory(ModelConfig.from_hf_dict(request.hf_config), mesh, memory, rows=request.rows,
