@@ -186,7 +186,9 @@ INT8_DOT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 def _served_by(engine) -> str:
     """The engine's dtype and the kernel class of its first quantized linear layer (or "unquantized")."""
-    dtype = str(engine._llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    from portable_rl.engines.vllm_internals import served_model_config
+
+    dtype = str(served_model_config(engine._llm).dtype).removeprefix("torch.")
     return f"{dtype}, {engine._llm.collective_rpc(_first_linear_kernel)[0]}"
 
 

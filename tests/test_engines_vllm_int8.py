@@ -4,7 +4,7 @@ The adapter starts from the bf16 checkpoint, writes the compressed-tensors INT8 
 vLLM's `CPUInt8ScaledMMLinearKernel` (oneDNN; AMX where the CPU has it). The central property: after a push,
 the engine serves exactly what a fresh engine started from the same weights serves (identical greedy
 tokens, sampled logprobs equal to 1e-6), also after pushing twice with allocations in between, which is
-what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_cpu_int8.py: without the patch the
+what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_internals.py keeping_int8_handler_scale: without the patch the
 kernel reads a freed scale; `test_without_the_patch_a_reload_serves_garbage` shows the test would see it).
 """
 
@@ -18,6 +18,7 @@ from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.checkpoint import WeightUpdateError  # noqa: E402
+from portable_rl.engines import vllm_internals  # noqa: E402
 from portable_rl.engines.quantize import NonFiniteWeightError, is_int8_checkpoint  # noqa: E402
 from portable_rl.rl.sync import push_weights  # noqa: E402
 from portable_rl.testing.perturb import perturbed  # noqa: E402
@@ -130,7 +131,7 @@ def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, m
     start, config = learner
     monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
     K = cpu.CPUInt8ScaledMMLinearKernel
-    monkeypatch.setattr(K, "process_weights_for_onednn", K.process_weights_for_onednn._portable_rl_original)
+    monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
     with _engine(smollm2, tmp_path) as engine:
         before = _serve(engine)
         for _ in range(2):

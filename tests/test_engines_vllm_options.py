@@ -2,8 +2,7 @@
 
 Forcing eager everywhere turned off CUDA graphs on GPU (vLLM's default is enforce_eager=False), which slows
 decode there. No GPU here, so the GPU branch is checked by what the adapter would hand to `vllm.LLM`:
-the platform probe answers "GPU" and `vllm.LLM` is replaced by a recorder that stops before any engine
-starts. The CPU branch uses the real platform probe.
+`vllm_adapter.llm_kwargs` (pure: it starts nothing) is asked for both platforms.
 """
 
 import pytest
@@ -13,9 +12,7 @@ pytest.importorskip("vllm")
 import gin  # noqa: E402
 
 from portable_rl import gin_utils  # noqa: E402
-from portable_rl.engines.vllm_adapter import resolve_enforce_eager  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from vllm_llm_kwargs import llm_kwargs  # noqa: E402
+from portable_rl.engines.vllm_adapter import llm_kwargs, resolve_enforce_eager  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -28,13 +25,12 @@ def test_resolve_enforce_eager():
         assert resolve_enforce_eager(forced, on_cpu=False) is forced
 
 
-def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu(monkeypatch, tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True)["enforce_eager"] is True
-    gpu = llm_kwargs(monkeypatch, ckpt, on_cpu=False)
+def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu():
+    assert llm_kwargs("/ckpt", on_cpu=True)["enforce_eager"] is True
+    gpu = llm_kwargs("/ckpt", on_cpu=False)
     assert "enforce_eager" not in gpu and gpu["dtype"] == "bfloat16"
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=False, enforce_eager=True)["enforce_eager"] is True
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True, enforce_eager=False)["enforce_eager"] is False
+    assert llm_kwargs("/ckpt", on_cpu=False, enforce_eager=True)["enforce_eager"] is True
+    assert llm_kwargs("/ckpt", on_cpu=True, enforce_eager=False)["enforce_eager"] is False
 
 
 def test_gin_exposes_enforce_eager():
@@ -52,7 +48,7 @@ def test_gin_exposes_enforce_eager():
 def test_vllm_outside_the_tested_minor_release_is_refused_in_one_line():
     import vllm
 
-    from portable_rl.engines.vllm_adapter import check_vllm_version
+    from portable_rl.engines.vllm_internals import check_vllm_version
     from portable_rl.errors import ConfigError
 
     check_vllm_version(vllm.__version__)  # the installed one is supported
