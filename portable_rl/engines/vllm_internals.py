@@ -39,6 +39,7 @@ ENV_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KV
 _FP8_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm.pytorch"
 _INT8_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (needs Triton: GPU only)
 _CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_WARNING = "%s: Failed to load weights"  # layerwise.py's message for a layer that received no tensor
@@ -248,15 +249,20 @@ def _check_reload_hook(src):
 
 
 def _check_layerwise_reload(src):
-    fn, problem = method_problem(src, _RUNNER, "GPUModelRunner", "reload_weights")
-    if problem:
-        return problem
-    missing = {"weights_iterator", "is_checkpoint_format"} - set(parameters(fn))
-    if missing:
-        return f"GPUModelRunner.reload_weights lost parameter(s) {sorted(missing)}"
+    for runner in (_RUNNER, _RUNNER_V2):  # V1 on CPU; V2 by default on GPUs with Triton
+        fn, problem = method_problem(src, runner, "GPUModelRunner", "reload_weights")
+        if problem:
+            return f"{runner}: {problem}"
+        missing = {"weights_iterator", "is_checkpoint_format"} - set(parameters(fn))
+        forwards = parameters(fn)[-1].startswith("**") and "reload_weights" in names_used(fn)  # V2 in 0.31: to V1
+        if missing and not forwards:
+            return f"{runner}: GPUModelRunner.reload_weights lost parameter(s) {sorted(missing)}"
+        problem = method_problem(src, runner, "GPUModelRunner", "get_model")[1]
+        if problem:
+            return f"{runner}: {problem}"
     if "set_current_vllm_config" not in names_used(src.tree("vllm.config")):
         return "vllm.config no longer exports set_current_vllm_config"
-    return method_problem(src, _RUNNER, "GPUModelRunner", "get_model")[1]
+    return None
 
 
 def _check_int8_scale(src):
@@ -374,9 +380,10 @@ INTERNALS: tuple[Internal, ...] = (
              "inherited unchanged by vLLM-CPU's CPUModelRunner, so wrapping it drops the dense GEMM's weight cache "
              "after every reload (tests/test_engines_vllm.py fp8 push)",
              "portable_rl/engines/vllm_internals.py:invalidating_fp8_cache", _check_reload_hook),
-    Internal("layerwise_reload", f"{_RUNNER}.GPUModelRunner.reload_weights",
+    Internal("layerwise_reload", f"{_RUNNER}.GPUModelRunner.reload_weights (and {_RUNNER_V2}'s)",
              "reload_weights(weights_iterator=, is_checkpoint_format=True) under vllm.config.set_current_vllm_config "
-             "reloads in place and re-runs each layer's process_weights_after_loading (re-quantizes FP8)",
+             "reloads in place and re-runs each layer's process_weights_after_loading (re-quantizes FP8); model "
+             "runner V1 (CPU) and V2 (GPU default) both have it",
              "portable_rl/engines/vllm_internals.py:reload_weights_layerwise", _check_layerwise_reload),
     Internal("int8_onednn_scale_alive", f"{_INT8_KERNELS}.CPUInt8ScaledMMLinearKernel.process_weights_for_onednn",
              "(self, layer); hands the oneDNN handler self.layer_param_names[1] (the weight scale) by raw pointer, "
