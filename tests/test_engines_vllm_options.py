@@ -33,6 +33,29 @@ def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu():
     assert llm_kwargs("/ckpt", on_cpu=True, enforce_eager=False)["enforce_eager"] is False
 
 
+def test_llm_kwargs_defaults_overrides_and_refusals(monkeypatch):
+    """What reaches vllm.LLM besides enforce_eager (module doc, "CPU defaults", INT8): no engine is started."""
+    from portable_rl.errors import ConfigError
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu = llm_kwargs("/ckpt", on_cpu=True, dtype="bfloat16", seed=3)
+    assert cpu["model"] == "/ckpt" and cpu["seed"] == 3 and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["enable_chunked_prefill"] is False and cpu["kv_cache_memory_bytes"] == 256 << 20
+    assert llm_kwargs("/ckpt", on_cpu=True, dtype="float32")["kv_cache_memory_bytes"] == 512 << 20  # same tokens
+    gpu = llm_kwargs("/ckpt", on_cpu=False)
+    assert "kv_cache_memory_bytes" not in gpu and "enable_chunked_prefill" not in gpu
+    int8 = llm_kwargs("/int8_copy", on_cpu=True, engine_init_kwargs={"quantization": "int8_per_channel"})
+    assert "quantization" not in int8 and int8["model"] == "/int8_copy"  # served from the checkpoint
+    fp8 = llm_kwargs("/ckpt", on_cpu=True, engine_init_kwargs={"quantization": "fp8_per_channel", "max_logprobs": 9})
+    assert fp8["quantization"] == "fp8_per_channel" and fp8["dtype"] == "bfloat16" and fp8["max_logprobs"] == 9
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert "kv_cache_memory_bytes" not in llm_kwargs("/ckpt", on_cpu=True)
+    with pytest.raises(ConfigError, match="vLLM-CPU has no sleep mode"):
+        llm_kwargs("/ckpt", on_cpu=True, enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="rollout logprobs must be 'processed_logprobs'"):
+        llm_kwargs("/ckpt", on_cpu=False, engine_init_kwargs={"logprobs_mode": "raw_logprobs"})
+
+
 def test_gin_exposes_enforce_eager():
     gin.clear_config()
     try:

@@ -73,13 +73,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from portable_rl.engines import vllm_internals
 from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
                                               omp_threads_spin, prefer_passive_omp_waits)
-from portable_rl.engines import vllm_internals
 from portable_rl.engines.registry import register
 from portable_rl.errors import ConfigError
 
