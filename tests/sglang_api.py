@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from portable_rl.engines.canary import PackageSource
-from portable_rl.engines.sglang_internals import server_args_fields, source_version
+from portable_rl.engines.sglang_internals import server_args_fields
 
 ENGINE_METHODS = ("__init__", "generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
                   "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown")
@@ -74,7 +74,7 @@ def read_api(where: str) -> dict:
             if text.startswith("update_weights_from_tensor must run between"):
                 outside = text
     return {
-        "version": source_version(src),
+        "version": src.version(),
         "server_args": sorted(server_args_fields(src)),
         "engine": {m: _parameters(methods[m]) for m in ENGINE_METHODS},
         "sampling_params": sorted(_fields(_class(src.tree("sglang.srt.sampling.sampling_params"), "SamplingParams"))),

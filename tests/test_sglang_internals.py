@@ -7,7 +7,7 @@ version, the symbol and our file to change.
 import pytest
 
 from portable_rl.engines.canary import PackageSource, Problem
-from portable_rl.engines.sglang_internals import FLASH_RL_ARCHITECTURES, INTERNALS, check_internals, source_version
+from portable_rl.engines.sglang_internals import FLASH_RL_ARCHITECTURES, INTERNALS, check_internals
 from sglang_api import find_source
 
 
@@ -23,7 +23,7 @@ def sglang_source():
 def test_sglang_source_has_the_internal(internal, sglang_source):
     what = internal.check(sglang_source)
     if what is not None:
-        pytest.fail(str(Problem(internal, "SGLang", source_version(sglang_source), what)), pytrace=False)
+        pytest.fail(str(Problem(internal, "SGLang", sglang_source.version(), what)), pytrace=False)
 
 
 def test_a_new_flash_rl_model_is_reported_in_one_line(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from portable_rl.engines import vllm_internals
 from portable_rl.engines.canary import PackageSource, Problem
 from portable_rl.engines.vllm_adapter import llm_kwargs
-from portable_rl.engines.vllm_internals import INTERNALS, check_internals, source_version
+from portable_rl.engines.vllm_internals import INTERNALS, check_internals
 
 pytestmark = pytest.mark.vllm
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -29,7 +29,7 @@ def test_installed_vllm_has_the_internal(internal):
     src = PackageSource("vllm")
     what = internal.check(src)
     if what is not None:
-        pytest.fail(str(Problem(internal, "vLLM", source_version(src), what)), pytrace=False)
+        pytest.fail(str(Problem(internal, "vLLM", src.version(), what)), pytrace=False)
 
 
 @pytest.mark.skipif(not os.environ.get("VLLM_SRC"), reason="set VLLM_SRC to a vLLM wheel or unpacked source")
@@ -65,7 +65,7 @@ def test_a_broken_internal_fails_in_one_line_naming_version_symbol_and_our_file(
     layerwise.write_text(layerwise.read_text().replace('"%s: Failed to load weights"', '"%s: no weights loaded"'))
     (problem,) = check_internals(str(tmp_path))
     line = str(problem)
-    assert "\n" not in line and line.startswith(f"vLLM {source_version(installed)}: ")
+    assert "\n" not in line and line.startswith(f"vLLM {installed.version()}: ")
     assert "vllm.model_executor.model_loader.reload.layerwise.logger" in line
     assert "update portable_rl/engines/vllm_internals.py:ExpectedReloadWarnings" in line
     assert len(check_internals(str(tmp_path / "nothing_here"))) == len(INTERNALS)  # each one says so

@@ -52,6 +52,13 @@ class PackageSource:
             self._trees[module] = None if text is None else ast.parse(text)
         return self._trees[module]
 
+    def version(self) -> str:
+        """`__version__` from `<package>/_version.py` (generated at build time by vLLM's and SGLang's builds)."""
+        for node in (self.tree(f"{self.package}._version") or ast.Module(body=[])).body:
+            if isinstance(node, ast.Assign) and "__version__" in {ast.unparse(t) for t in node.targets}:
+                return ast.literal_eval(node.value)
+        return "(unknown version)"
+
     def glob(self, pattern: str) -> list[str]:
         """Paths (relative, '/'-separated) of the files matching `pattern`, e.g. 'sglang/srt/models/*.py'."""
         if self._zip is not None:
@@ -161,8 +168,9 @@ class Problem:
                 f"update {self.internal.used_by} (internal '{self.internal.name}')")
 
 
-def check_internals(internals: tuple[Internal, ...], src: PackageSource, engine: str, version: str) -> list[Problem]:
+def check_internals(internals: tuple[Internal, ...], src: PackageSource, engine: str) -> list[Problem]:
     """One Problem per internal whose check fails against `src` (a check that raises counts as failed)."""
+    version = src.version()
     problems = []
     for internal in internals:
         try:

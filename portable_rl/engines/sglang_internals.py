@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import sys
 
+from portable_rl.engines import canary
 from portable_rl.engines.canary import (Internal, PackageSource, Problem, class_fields, find_class, find_function,
                                         method_problem, names_used, parameters, string_constants)
 
@@ -160,21 +161,11 @@ INTERNALS: tuple[Internal, ...] = (
 )
 
 
-def source_version(src: PackageSource) -> str:
-    """`__version__` from sglang/_version.py (generated at build time)."""
-    for node in (src.tree("sglang._version") or ast.Module(body=[])).body:
-        if isinstance(node, ast.Assign) and "__version__" in {ast.unparse(t) for t in node.targets}:
-            return ast.literal_eval(node.value)
-    return "(unknown version)"
-
-
 def check_internals(where: str | None = None) -> list[Problem]:
     """One Problem per internal that SGLang's source at `where` (a wheel, a directory holding sglang/, None: the
     installed one) breaks."""
-    from portable_rl.engines.canary import check_internals as check
-
     src = PackageSource("sglang", where)
-    return check(INTERNALS, src, "SGLang", source_version(src))
+    return canary.check_internals(INTERNALS, src, "SGLang")
 
 
 if __name__ == "__main__":
