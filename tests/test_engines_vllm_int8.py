@@ -56,14 +56,7 @@ def _allocate_over_freed_scales():
 
 
 def _kernel_path(engine) -> str:
-    def first_int8_kernel(worker):
-        for module in worker.model_runner.get_model().modules():
-            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-            if kernel is not None:
-                return f"{type(kernel).__name__}.{kernel.linear_method.__name__}"
-        return "none"
-
-    return engine._llm.collective_rpc(first_int8_kernel)[0]
+    return engine._llm.collective_rpc(vllm_internals.first_linear_kernel)[0]
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,19 @@ def in_process_model_runner(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
+def first_linear_kernel(worker) -> str:
+    """Inside a worker (`llm.collective_rpc(first_linear_kernel)`): the GEMM behind the first quantized
+    projection, "<kernel class>.<path>" (e.g. "CPUInt8ScaledMMLinearKernel._apply_weights_onednn"), or
+    "unquantized"; for tests and benchmarks."""
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)  # vLLM's online FP8 keeps its kernel as `fp8_linear`
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "fp8_linear", None)
+        if kernel is not None:
+            path = getattr(kernel, "linear_method", None)
+            return type(kernel).__name__ + (f".{path.__name__}" if path is not None else "")
+    return "unquantized"
+
+
 def shutdown_engine(llm, *, in_process: bool) -> None:
     """vLLM's full shutdown of `llm`; in-process also its process-global distributed state, so a later engine
     can start."""
@@ -373,6 +386,23 @@ def _check_sgl_kernel_probe(src):
         f"{_INT8_KERNELS} no longer chooses AMX with check_cpu_sgl_kernel"
 
 
+def _check_kernel_path(src):
+    scheme = "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8"
+    if "scheme" not in names_used(src.tree("vllm.model_executor.layers.quantization.compressed_tensors."
+                                           "compressed_tensors")):
+        return "compressed-tensors layers no longer carry their scheme as layer.scheme"
+    return _first(_has_attrs(src, scheme, "CompressedTensorsW8A8Int8", "create_weights", ["kernel"]),
+                  _has_attrs(src, _INT8_KERNELS, "CPUInt8ScaledMMLinearKernel", "process_weights_after_loading",
+                             ["linear_method"]),
+                  _has_attrs(src, "vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod", "create_weights",
+                             ["fp8_linear"]))
+
+
+def _check_onednn_ops(src):
+    missing = [f for f in ("create_onednn_mm", "onednn_mm") if find_function(src.tree("vllm._custom_ops"), f) is None]
+    return f"vllm._custom_ops lost {', '.join(missing)}" if missing else None
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("cpu_fp8_gemm", f"{_FP8_KERNELS}.ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm",
              "keyword-only (A [M,K] fp8, B [K,N] fp8, out_dtype, As per-token, Bs per-channel, bias, output_shape); "
@@ -426,6 +456,13 @@ INTERNALS: tuple[Internal, ...] = (
              "an in-process engine's runner at llm_engine.engine_core.engine_core.model_executor.driver_worker"
              ".worker.model_runner (tests only)", "portable_rl/engines/vllm_internals.py:in_process_model_runner",
              _check_model_runner_path),
+    Internal("linear_kernel_path", "layer.scheme.kernel.linear_method / Fp8LinearMethod.fp8_linear",
+             "a quantized projection's GEMM kernel and the path it chose (oneDNN or AMX) are readable from the "
+             "layer (tests and benchmarks report which kernel served)",
+             "portable_rl/engines/vllm_internals.py:first_linear_kernel", _check_kernel_path),
+    Internal("onednn_ops", "vllm._custom_ops.create_onednn_mm / onednn_mm",
+             "vLLM-CPU's oneDNN GEMM, timed alone for the decode roofline (benchmarks only)",
+             "benchmarks/cpu_decode.py:gemm_flops", _check_onednn_ops),
     Internal("amx_kernel_probe", f"{_INT8_KERNELS}.check_cpu_sgl_kernel",
              "looked up in that module to choose AMX over oneDNN, so a test can force oneDNN by replacing it",
              "tests/test_engines_vllm_int8.py:kernel_path", _check_sgl_kernel_probe),
