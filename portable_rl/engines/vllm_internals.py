@@ -46,6 +46,7 @@ _CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _RELOAD_WARNING = "%s: Failed to load weights"  # layerwise.py's message for a layer that received no tensor
 _ORIGINAL = "_portable_rl_original"  # on a patched method: the method it replaced
+_PATCHED: set[tuple[type, str]] = set()  # (class, method) pairs patch_method has replaced in this process
 _INT8_HANDLER_SCALE = "_portable_rl_handler_weight_scale"  # on an int8 kernel: the tensor its dnnl_handler reads
 
 
@@ -60,14 +61,16 @@ def check_vllm_version(version: str) -> None:
 
 # ------------------------------------------------------------------------------------------- monkeypatches
 def patch_method(owner: type, name: str, make_replacement) -> None:
-    """Replaces `owner.name` by `make_replacement(original)`, once per process; the replacement keeps the
-    original as `._portable_rl_original` (tests restore or compare against it)."""
-    original = getattr(owner, name)
-    if hasattr(original, _ORIGINAL):
+    """Replaces `owner.name` by `make_replacement(original)`, once per process: a caller that puts the original
+    back (a test showing what the patch prevents) keeps it. The replacement keeps the original as
+    `._portable_rl_original` (`unpatched`)."""
+    if (owner, name) in _PATCHED:
         return
+    original = getattr(owner, name)
     replacement = make_replacement(original)
     setattr(replacement, _ORIGINAL, original)
     setattr(owner, name, replacement)
+    _PATCHED.add((owner, name))
 
 
 def unpatched(owner: type, name: str):
