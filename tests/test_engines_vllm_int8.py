@@ -124,6 +124,7 @@ def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, m
     start, config = learner
     monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
     K = cpu.CPUInt8ScaledMMLinearKernel
+    vllm_internals.install_cpu_patches()  # once per process: the engine below then leaves vLLM's original in place
     monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
     with _engine(smollm2, tmp_path) as engine:
         before = _serve(engine)
