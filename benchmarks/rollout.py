@@ -208,19 +208,10 @@ INT8_DOT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 def _served_by(engine) -> str:
     """The engine's dtype and the kernel class of its first quantized linear layer (or "unquantized")."""
-    dtype = str(engine._llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    return f"{dtype}, {engine._llm.collective_rpc(_first_linear_kernel)[0]}"
+    from portable_rl.engines.vllm_internals import first_linear_kernel, served_model_config
 
-
-def _first_linear_kernel(worker) -> str:
-    """Inside the worker: the GEMM behind the first decoder projection (its kernel class and path)."""
-    for module in worker.model_runner.get_model().modules():
-        method = getattr(module, "quant_method", None)  # vLLM's online FP8 keeps its kernel as `fp8_linear`
-        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "fp8_linear", None)
-        if kernel is not None:
-            method = getattr(kernel, "linear_method", None)
-            return type(kernel).__name__ + (f".{method.__name__}" if method is not None else "")
-    return "unquantized"
+    dtype = str(served_model_config(engine._llm).dtype).removeprefix("torch.")
+    return f"{dtype}, {engine._llm.collective_rpc(first_linear_kernel)[0]}"
 
 
 def checkpoint(args, workdir: str) -> tuple[str, str, int]:

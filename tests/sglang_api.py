@@ -20,45 +20,17 @@ What is recorded (0.5.23 layout):
 from __future__ import annotations
 
 import ast
-import glob
 import json
 import os
 import sys
-import zipfile
 from pathlib import Path
+
+from portable_rl.engines.canary import PackageSource
+from portable_rl.engines.sglang_internals import server_args_fields
 
 ENGINE_METHODS = ("__init__", "generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
                   "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown")
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-class _Source:
-    """Reads `sglang/...` files from a wheel or from a directory that contains the `sglang` package."""
-
-    def __init__(self, where: str):
-        self.zip = zipfile.ZipFile(where) if str(where).endswith(".whl") else None
-        self.root = None if self.zip else str(where)
-
-    def read(self, rel: str) -> str:
-        if self.zip:
-            return self.zip.read(rel).decode()
-        return Path(self.root, rel).read_text()
-
-    def glob(self, pattern: str) -> list[str]:
-        if self.zip:
-            import fnmatch
-
-            return sorted(n for n in self.zip.namelist() if fnmatch.fnmatch(n, pattern))
-        return sorted(os.path.relpath(p, self.root) for p in glob.glob(os.path.join(self.root, pattern)))
-
-
-def _version(src: _Source) -> str:
-    """`__version__ = version = '0.5.23'` in the build-generated sglang/_version.py."""
-    tree = ast.parse(src.read("sglang/_version.py"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and "__version__" in [getattr(t, "id", None) for t in node.targets]:
-            return ast.literal_eval(node.value)
-    raise ValueError("no __version__ in sglang/_version.py")
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -70,25 +42,6 @@ def _class(tree: ast.Module, name: str) -> ast.ClassDef:
 
 def _fields(cls: ast.ClassDef) -> list[str]:
     return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-
-
-def _server_args_fields(src: _Source) -> list[str]:
-    tree = ast.parse(src.read("sglang/srt/server_args.py"))
-    namespaces = None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_INPUT_NAMESPACES":
-            namespaces = [e.id for e in node.value.elts]
-    if namespaces is None:
-        raise ValueError("no _INPUT_NAMESPACES in sglang/srt/server_args.py (layout changed since 0.5.23)")
-    classes = {}
-    for rel in src.glob("sglang/srt/arg_groups/fields/*.py"):
-        for node in ast.parse(src.read(rel)).body:
-            if isinstance(node, ast.ClassDef):
-                classes[node.name] = node
-    fields = _fields(_class(tree, "ServerArgs"))
-    for name in namespaces:
-        fields += _fields(classes[name])
-    return sorted(fields)
 
 
 def _parameters(fn: ast.FunctionDef) -> list[list]:
@@ -105,15 +58,14 @@ def _parameters(fn: ast.FunctionDef) -> list[list]:
 
 
 def read_api(where: str) -> dict:
-    src = _Source(where)
-    engine = _class(ast.parse(src.read("sglang/srt/entrypoints/engine.py")), "Engine")
+    src = PackageSource("sglang", where)
+    engine = _class(src.tree("sglang.srt.entrypoints.engine"), "Engine")
     methods = {n.name: n for n in engine.body if isinstance(n, ast.FunctionDef)}
-    constants = ast.parse(src.read("sglang/srt/constants.py"))
+    constants = src.tree("sglang.srt.constants")
     names = {n.targets[0].id: n.value for n in constants.body if isinstance(n, ast.Assign)}
     memory_tags = [ast.literal_eval(names[e.id]) for e in names["GPU_MEMORY_ALL_TYPES"].elts]
-    updater = src.read("sglang/srt/managers/scheduler_components/weight_updater.py")
     outside = None
-    for node in ast.walk(ast.parse(updater)):
+    for node in ast.walk(src.tree("sglang.srt.managers.scheduler_components.weight_updater")):
         if isinstance(node, ast.keyword) and node.arg == "message":
             try:
                 text = ast.literal_eval(node.value)
@@ -122,11 +74,10 @@ def read_api(where: str) -> dict:
             if text.startswith("update_weights_from_tensor must run between"):
                 outside = text
     return {
-        "version": _version(src),
-        "server_args": _server_args_fields(src),
+        "version": src.version(),
+        "server_args": sorted(server_args_fields(src)),
         "engine": {m: _parameters(methods[m]) for m in ENGINE_METHODS},
-        "sampling_params": sorted(_fields(_class(ast.parse(src.read("sglang/srt/sampling/sampling_params.py")),
-                                                 "SamplingParams"))),
+        "sampling_params": sorted(_fields(_class(src.tree("sglang.srt.sampling.sampling_params"), "SamplingParams"))),
         "memory_tags": memory_tags,
         "outside_session": outside,
     }

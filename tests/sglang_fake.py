@@ -37,12 +37,12 @@ import torch
 from safetensors.torch import load_file
 
 from portable_rl.engines.buckets import fused_group
+from portable_rl.engines.sglang_internals import FLASH_RL_ARCHITECTURES  # checked against the source there
 from sglang_api import load_recorded
 
 API = load_recorded("0.5.23")
 SERVER_ARGS = frozenset(API["server_args"])
 SAMPLING_PARAMS = frozenset(API["sampling_params"])
-FLASH_RL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 UNSEEDED_DEFAULT = 42  # sampling_batch_info.py: deterministic mode, request without sampling_seed
 
 

@@ -132,8 +132,7 @@ def test_importing_the_package_writes_no_environment_and_patches_nothing():
             "[importlib.import_module(m.name) for m in pkgutil.walk_packages(portable_rl.__path__, 'portable_rl.')]; "
             "changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}; "
             "assert not changed, changed; "
-            "from portable_rl.engines import vllm_cpu_fp8, vllm_cpu_int8; "
-            "assert not (vllm_cpu_fp8._PATCHED or vllm_cpu_int8._PATCHED), 'a vLLM patch was applied on import'")
+            "import sys; assert 'vllm' not in sys.modules, 'vLLM was imported (and could be patched) on import'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -171,10 +171,10 @@ def test_fp8_per_channel_mismatch_bounded_and_requantization_deterministic(ckpt,
         moved = perturbed(model, seed=3)
         fp8.update_weights(iter_hf_tensors(moved, config))
         after_push = fp8.generate(PROMPTS, SAMPLING)
-    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
-    from portable_rl.engines import vllm_cpu_fp8
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel as K
+    from portable_rl.engines import vllm_internals
     # The adapter installed the CPU fast path, so these rollouts went through it.
-    assert ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm is vllm_cpu_fp8._dense_apply_scaled_mm
+    assert K.apply_scaled_mm is not vllm_internals.unpatched(K, "apply_scaled_mm")
     moved_result = rollout_mismatch(moved, after_push, SAMPLING.temperature)
     stale_result = rollout_mismatch(model, after_push, SAMPLING.temperature)
     print(f"fp8 after a push: vs pushed weights {moved_result}, vs the old weights {stale_result}")
@@ -221,18 +221,3 @@ def test_push_equals_fresh_engine_other_families(family, tmp_path):
     assert [r.response_token_ids for r in after_push] == [r.response_token_ids for r in from_disk]
     assert [r.response_logprobs for r in after_push] == [r.response_logprobs for r in from_disk]
     assert result.n_tokens > 0
-
-
-def test_only_expected_reload_warnings_are_dropped():
-    import logging
-
-    from portable_rl.engines.vllm_adapter import _ExpectedReloadWarnings
-
-    def record(layer):
-        return logging.LogRecord("vllm.model_executor.model_loader.reload.layerwise", logging.WARNING, __file__,
-                                 1, "%s: Failed to load weights", (layer,), None)
-
-    keep = _ExpectedReloadWarnings().filter
-    assert not keep(record("RotaryEmbedding")) and not keep(record("ParallelLMHead"))
-    assert keep(record("QKVParallelLinear"))  # a projection that got no weights must stay visible
-    assert keep(logging.LogRecord("x", logging.WARNING, __file__, 1, "something else", (), None))

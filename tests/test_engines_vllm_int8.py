@@ -4,7 +4,7 @@ The adapter starts from the bf16 checkpoint, writes the compressed-tensors INT8 
 vLLM's `CPUInt8ScaledMMLinearKernel` (oneDNN; AMX where the CPU has it). The central property: after a push,
 the engine serves exactly what a fresh engine started from the same weights serves (identical greedy
 tokens, sampled logprobs equal to 1e-6), also after pushing twice with allocations in between, which is
-what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_cpu_int8.py: without the patch the
+what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_internals.py keeping_int8_handler_scale: without the patch the
 kernel reads a freed scale; `test_without_the_patch_a_reload_serves_garbage` shows the test would see it).
 """
 
@@ -18,6 +18,7 @@ from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.checkpoint import WeightUpdateError  # noqa: E402
+from portable_rl.engines import vllm_internals  # noqa: E402
 from portable_rl.engines.quantize import NonFiniteWeightError, is_int8_checkpoint  # noqa: E402
 from portable_rl.rl.sync import push_weights  # noqa: E402
 from portable_rl.testing.perturb import perturbed  # noqa: E402
@@ -55,14 +56,7 @@ def _allocate_over_freed_scales():
 
 
 def _kernel_path(engine) -> str:
-    def first_int8_kernel(worker):
-        for module in worker.model_runner.get_model().modules():
-            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-            if kernel is not None:
-                return f"{type(kernel).__name__}.{kernel.linear_method.__name__}"
-        return "none"
-
-    return engine._llm.collective_rpc(first_int8_kernel)[0]
+    return engine._llm.collective_rpc(vllm_internals.first_linear_kernel)[0]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +124,8 @@ def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, m
     start, config = learner
     monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
     K = cpu.CPUInt8ScaledMMLinearKernel
-    monkeypatch.setattr(K, "process_weights_for_onednn", K.process_weights_for_onednn._portable_rl_original)
+    vllm_internals.install_cpu_patches()  # once per process: the engine below then leaves vLLM's original in place
+    monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
     with _engine(smollm2, tmp_path) as engine:
         before = _serve(engine)
         for _ in range(2):

@@ -2,8 +2,7 @@
 
 Forcing eager everywhere turned off CUDA graphs on GPU (vLLM's default is enforce_eager=False), which slows
 decode there. No GPU here, so the GPU branch is checked by what the adapter would hand to `vllm.LLM`:
-the platform probe answers "GPU" and `vllm.LLM` is replaced by a recorder that stops before any engine
-starts. The CPU branch uses the real platform probe.
+`vllm_adapter.llm_kwargs` (pure: it starts nothing) is asked for both platforms.
 """
 
 import pytest
@@ -13,9 +12,7 @@ pytest.importorskip("vllm")
 import gin  # noqa: E402
 
 from portable_rl import gin_utils  # noqa: E402
-from portable_rl.engines.vllm_adapter import resolve_enforce_eager  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from vllm_llm_kwargs import llm_kwargs  # noqa: E402
+from portable_rl.engines.vllm_adapter import llm_kwargs, resolve_enforce_eager  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -28,13 +25,35 @@ def test_resolve_enforce_eager():
         assert resolve_enforce_eager(forced, on_cpu=False) is forced
 
 
-def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu(monkeypatch, tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True)["enforce_eager"] is True
-    gpu = llm_kwargs(monkeypatch, ckpt, on_cpu=False)
+def test_engine_passes_eager_on_cpu_and_vllms_default_on_gpu():
+    assert llm_kwargs("/ckpt", on_cpu=True)["enforce_eager"] is True
+    gpu = llm_kwargs("/ckpt", on_cpu=False)
     assert "enforce_eager" not in gpu and gpu["dtype"] == "bfloat16"
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=False, enforce_eager=True)["enforce_eager"] is True
-    assert llm_kwargs(monkeypatch, ckpt, on_cpu=True, enforce_eager=False)["enforce_eager"] is False
+    assert llm_kwargs("/ckpt", on_cpu=False, enforce_eager=True)["enforce_eager"] is True
+    assert llm_kwargs("/ckpt", on_cpu=True, enforce_eager=False)["enforce_eager"] is False
+
+
+def test_llm_kwargs_defaults_overrides_and_refusals(monkeypatch):
+    """What reaches vllm.LLM besides enforce_eager (module doc, "CPU defaults", INT8): no engine is started."""
+    from portable_rl.errors import ConfigError
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu = llm_kwargs("/ckpt", on_cpu=True, dtype="bfloat16", seed=3)
+    assert cpu["model"] == "/ckpt" and cpu["seed"] == 3 and cpu["logprobs_mode"] == "processed_logprobs"
+    assert cpu["enable_chunked_prefill"] is False and cpu["kv_cache_memory_bytes"] == 256 << 20
+    assert llm_kwargs("/ckpt", on_cpu=True, dtype="float32")["kv_cache_memory_bytes"] == 512 << 20  # same tokens
+    gpu = llm_kwargs("/ckpt", on_cpu=False)
+    assert "kv_cache_memory_bytes" not in gpu and "enable_chunked_prefill" not in gpu
+    int8 = llm_kwargs("/int8_copy", on_cpu=True, engine_init_kwargs={"quantization": "int8_per_channel"})
+    assert "quantization" not in int8 and int8["model"] == "/int8_copy"  # served from the checkpoint
+    fp8 = llm_kwargs("/ckpt", on_cpu=True, engine_init_kwargs={"quantization": "fp8_per_channel", "max_logprobs": 9})
+    assert fp8["quantization"] == "fp8_per_channel" and fp8["dtype"] == "bfloat16" and fp8["max_logprobs"] == 9
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert "kv_cache_memory_bytes" not in llm_kwargs("/ckpt", on_cpu=True)
+    with pytest.raises(ConfigError, match="vLLM-CPU has no sleep mode"):
+        llm_kwargs("/ckpt", on_cpu=True, enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="rollout logprobs must be 'processed_logprobs'"):
+        llm_kwargs("/ckpt", on_cpu=False, engine_init_kwargs={"logprobs_mode": "raw_logprobs"})
 
 
 def test_gin_exposes_enforce_eager():
@@ -52,7 +71,7 @@ def test_gin_exposes_enforce_eager():
 def test_vllm_outside_the_tested_minor_release_is_refused_in_one_line():
     import vllm
 
-    from portable_rl.engines.vllm_adapter import check_vllm_version
+    from portable_rl.engines.vllm_internals import check_vllm_version
     from portable_rl.errors import ConfigError
 
     check_vllm_version(vllm.__version__)  # the installed one is supported

@@ -17,9 +17,8 @@ pytest.importorskip("vllm")
 
 from portable_rl.engines import vllm_adapter  # noqa: E402
 from portable_rl.engines.base import SamplingConfig  # noqa: E402
-from portable_rl.engines.vllm_adapter import VLLMEngine  # noqa: E402
+from portable_rl.engines.vllm_adapter import VLLMEngine, llm_kwargs  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from vllm_llm_kwargs import llm_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -29,10 +28,10 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("vllm_sleep") / "qwen2", "qwen2")
 
 
-def test_gpu_engine_gets_the_plans_share_and_sleep_mode(monkeypatch, ckpt):
-    seen = llm_kwargs(monkeypatch, ckpt, on_cpu=False, enable_sleep_mode=True, gpu_memory_utilization=0.31)
+def test_gpu_engine_gets_the_plans_share_and_sleep_mode(ckpt):
+    seen = llm_kwargs(ckpt, on_cpu=False, enable_sleep_mode=True, gpu_memory_utilization=0.31)
     assert seen["enable_sleep_mode"] is True and seen["gpu_memory_utilization"] == 0.31
-    assert "enable_sleep_mode" not in llm_kwargs(monkeypatch, ckpt, on_cpu=False)  # default: off
+    assert "enable_sleep_mode" not in llm_kwargs(ckpt, on_cpu=False)  # default: off
 
 
 def test_refusals_are_clear(monkeypatch, ckpt):

@@ -23,7 +23,7 @@ from flax import nnx  # noqa: E402
 from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import get_param, load_hf_model  # noqa: E402
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
-from portable_rl.engines import create_engine  # noqa: E402
+from portable_rl.engines import create_engine, vllm_internals  # noqa: E402
 from portable_rl.testing.configs import dapo_config  # noqa: E402
 from portable_rl.rl.learner import Learner  # noqa: E402
 from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving  # noqa: E402
@@ -103,7 +103,7 @@ def test_weight_only_fp8_is_attributed_to_quantization(bf16_results):
 def served_projections(engine):
     """{(layer, fused vLLM projection): dequantized weight [in, out] f32} of an in-process fp8 vLLM engine."""
     try:
-        runner = engine._llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        runner = vllm_internals.in_process_model_runner(engine._llm)
         layers = runner.model.model.layers
     except AttributeError as e:  # vLLM internals (0.32): the test needs updating, not the code under test
         pytest.skip(f"cannot reach the in-process vLLM model: {e}")

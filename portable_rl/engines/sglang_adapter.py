@@ -52,6 +52,10 @@ checkpoint (layers/quantization/compressed_tensors/schemes/compressed_tensors_w8
 replace the int8 weight by a transposed plain Parameter without a `weight_loader` and neither defines
 `restore_weights_before_loading`, so the first in-place push would raise in `load_weights` (process tree dead).
 
+SGLang internals. What this adapter assumes about SGLang beyond its Engine API (the env var above, the
+flash_rl models, when seeds count, the session contract, INT8, the memory saver) is listed in
+engines/sglang_internals.py, with a canary each that reads SGLang's source.
+
 Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
 `sleep()` then frees the KV cache, the weights and the CUDA graphs, and `wake_up()` restores them with the
 weights' contents intact. Without it `release_memory_occupation` frees nothing, so `sleep()` raises.
@@ -69,10 +73,10 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
+from portable_rl.engines.sglang_internals import FLASH_RL_ARCHITECTURES, RETURN_ORIGINAL_LOGPROB_ENV
 from portable_rl.errors import ConfigError
 
 FP8_MODES = (None, "flash_rl", "blockwise")
-FLASH_RL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sglang 0.5.23, models/qwen2.py, qwen3.py
 SCALE_SUFFIX = "_scale_inv"
 INT8_W8A8 = ("int8_per_channel", "w8a8_int8")  # ours and SGLang's name; refused (module doc)
 
@@ -155,8 +159,8 @@ class SGLangEngine(EngineAdapter):
             raise ConfigError(f"{what}: SGLang 0.5.23 cannot reload INT8 W8A8 weights in place (module doc), so the "
                               "first weight sync would kill the engine; use the 'vllm' engine for INT8 rollouts, or "
                               "FP8 with SGLang (fp8_mode='flash_rl' or 'blockwise')")
-        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
-            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return T=1 logprobs, not the "
+        if os.environ.get(RETURN_ORIGINAL_LOGPROB_ENV, "").lower() in ("1", "true", "yes"):
+            raise ValueError(f"{RETURN_ORIGINAL_LOGPROB_ENV} is set: SGLang would return T=1 logprobs, not the "
                              "tempered ones the learner uses; unset it")
         self.source_model_path = str(model_path)
         self.model_path = self.source_model_path  # what the engine starts on (an FP8 copy in blockwise mode)
@@ -173,7 +177,7 @@ class SGLangEngine(EngineAdapter):
         if fp8_mode == "flash_rl":
             archs = hf_config.get("architectures") or []
             if not set(archs) & set(FLASH_RL_ARCHITECTURES):
-                raise ValueError(f"fp8_mode='flash_rl' supports only {FLASH_RL_ARCHITECTURES} in sglang 0.5.23, "
+                raise ValueError(f"fp8_mode='flash_rl' supports only {tuple(FLASH_RL_ARCHITECTURES)} in sglang 0.5.23, "
                                  f"this checkpoint is {archs}; use fp8_mode='blockwise'")
             kwargs.update(quantization="fp8", load_format="flash_rl")
         elif fp8_mode == "blockwise":

