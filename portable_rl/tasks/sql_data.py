@@ -303,8 +303,6 @@ class SqlTask(GeneratedTask):
       cache_dir: where the database files are written once and reused.
       seed: the seed of the held-out set and of every training batch.
       num_eval: held-out questions; training never draws their prompts.
-      environment: the registered environment that runs and scores these examples.
-      reward: what scores a trajectory: the SQL environment's execution match (not a text reward).
       name: the task's name in evaluation reports.
     """
     families: tuple[str, ...] = ("shop", "school", "flights")
@@ -313,9 +311,9 @@ class SqlTask(GeneratedTask):
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
     num_eval: int = 100
-    environment: str = "sql"
-    reward: str = "sql_execution"
     name: str = "sql"
+    # No text reward: the SQL environment scores a trajectory by execution (rl.EnvironmentConfig.name = 'sql').
+    reward = None
 
     def __post_init__(self):
         self.families, self.levels = tuple(self.families), tuple(self.levels)
@@ -422,8 +420,6 @@ class SkyrlSqlTask:
       db_root: the OmniSQL data folder (holding SynSQL-2.5M/databases, spider/database, ...).
       num_eval: held-out examples.
       seed: the seed of the training batches (rows drawn without replacement within a batch).
-      environment: the registered environment that runs and scores these examples.
-      reward: what scores a trajectory: the SQL environment's execution match (not a text reward).
       name: the task's name in evaluation reports.
     """
     train_path: str
@@ -431,9 +427,9 @@ class SkyrlSqlTask:
     db_root: str
     num_eval: int = 1024
     seed: int = 0
-    environment: str = "sql"
-    reward: str = "sql_execution"
     name: str = "skyrl_sql"
+    # No text reward: the SQL environment scores a trajectory by execution (rl.EnvironmentConfig.name = 'sql').
+    reward = None
 
     def __post_init__(self):
         self._train, train_skipped = read_skyrl_sql(self.train_path, self.db_root)
