@@ -454,3 +454,40 @@ def test_sql_trajectories_through_the_driver_on_a_real_database(task, tmp_path):
     assert summary["accuracy"] == 0.5 and summary["pass@2"] == 1.0 and summary["mean_turns"] == 2.0
     assert sorted(r["reward"] for r in records) == [0.0] * 3 + [1.0] * 3 and {r["finish"] for r in records} == {"done"}
     assert all("<observation>" in r["response"] and "2 turns left" in r["response"] for r in records)
+
+
+def test_warm_start_traces_are_laid_out_exactly_as_the_driver_lays_out_trajectories(task, smollm2):
+    """warmstart.trace_ids on a SqlTraceTask example == the driver's trajectory (ids and loss mask) when the
+    engine samples the trace's assistant turns, with SmolLM2's chat template and the real SQL environment."""
+    from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.rl.turns import environment_factory, run_trajectories
+    from portable_rl.warmstart import trace_ids
+
+    codec = TextCodec(smollm2, chat_template=True)
+    assert codec.eos_id == codec.tokenizer.convert_tokens_to_ids("<|im_end|>")  # a turn ends at EOS: no stop strings
+    config = EnvironmentConfig(name="sql", max_turns=4, kwargs={"max_rows": 5})
+    traces = SqlTraceTask(task, peek_probability=1.0, max_turns=4, environment_kwargs={"max_rows": 5})
+    example = traces.train_batch(0, 0, 1)[0]
+    replies = [codec.encode_response(t["content"]) for t in example.metadata["turns"] if t["role"] == "assistant"]
+
+    class Replay(EngineAdapter):
+        def generate(self, prompt_token_ids, sampling):
+            turn = self.turn = getattr(self, "turn", -1) + 1
+            return [Rollout(0, list(p), replies[turn], [-0.5] * len(replies[turn]), "stop") for p in prompt_token_ids]
+
+        def update_weights(self, named_tensors):
+            pass
+
+        def close(self):
+            pass
+
+    question = task.train_batch(0, 0, 1)[0]  # the trace's question, its answer the gold SQL
+    assert question.prompt == example.prompt
+    (traj,), _ = run_trajectories(Replay(), codec, [question], environment_factory(config, None),
+                                  SamplingConfig(n=1, seed=0, max_tokens=256), config)
+    ids, mask = trace_ids(codec, example.metadata["turns"])
+    assert traj.reward == 1.0 and traj.num_turns == 3 and traj.finish == "done"
+    assert traj.rollout.prompt_token_ids == codec.encode_prompt(example.prompt)
+    assert traj.rollout.response_token_ids == ids and traj.rollout.response_mask == mask
