@@ -5,7 +5,8 @@ run directory / its `checkpoints/` folder (orbax): then the base HF checkpoint t
 (recorded in the checkpoint, or MODEL_PATH) is loaded by the engine and the trained weights are pushed
 into it, exactly as during training. Any registered engine works (`engines.create_engine.name`).
 
-Reports accuracy (mean per-sample correctness), pass@k (unbiased estimator, k ≤ n), mean response length;
+Reports accuracy (mean per-sample correctness), pass@k (unbiased estimator, k ≤ n), mean response length and
+mean turns (multi-turn environments, `rl.EnvironmentConfig`: e.g. execution accuracy on the SQL task);
 writes a JSON report (summary + per-sample records) and prints a table.
 """
 
@@ -16,6 +17,8 @@ import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from portable_rl.rl.config import EnvironmentConfig
 
 
 def _orbax_dir(checkpoint: Path) -> Optional[Path]:
@@ -29,7 +32,8 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
              step: Optional[int] = None, n_samples: int = 1, temperature: float = 0.0,
              max_tokens: int = 64, ks: Sequence[int] = (1,), max_examples: Optional[int] = None,
              chat_template: bool = False, seed: int = 0, report_path: Optional[str] = None,
-             xla_preallocate: bool = False) -> dict:
+             xla_preallocate: bool = False,
+             environment: Optional[EnvironmentConfig] = None) -> dict:
     """Evaluates `checkpoint` on `task.eval_examples()`; returns the report dict (also written as JSON).
 
     Args:
@@ -52,6 +56,8 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
       xla_preallocate: let XLA preallocate device memory as usual; False: XLA_PYTHON_CLIENT_PREALLOCATE=false
         (unless exported), since JAX here only holds the restored params for one push and the engine's
         GPU_MEMORY_UTILIZATION share stays free for it (rl/colocation.py). No effect on CPU.
+      environment: what each trajectory runs in and when it ends (`rl.EnvironmentConfig`, training's); None:
+        the default, the task's prompt, one turn, scored by its reward. `max_tokens` bounds each turn.
     """
     if not xla_preallocate:  # before JAX starts its devices (the checkpoint restore below)
         from portable_rl.rl.colocation import PREALLOCATE
@@ -60,8 +66,9 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.evaluation import evaluate_examples
-    from portable_rl.tasks import get_reward
+    from portable_rl.rl.turns import task_reward
 
+    environment = environment or EnvironmentConfig()
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist; set CHECKPOINT to an HF dir or a run dir")
@@ -93,8 +100,8 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
         ckpts.close()
 
     codec = TextCodec(base, chat_template=chat_template)
-    reward_fn = get_reward(task.reward)
     examples = list(task.eval_examples())[:max_examples]
+    reward_fn = task_reward(environment, task, examples[0])  # None: the environment scores (e.g. 'sql')
     sampling = SamplingConfig(temperature=temperature, n=n_samples, max_tokens=max_tokens,
                               seed=None if temperature == 0 else seed, stop_token_ids=(codec.eos_id,))
     engine = engine_factory(model_path=str(base))
@@ -102,7 +109,8 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
         if orbax_dir is not None:
             from portable_rl.rl.sync import push_weights
             push_weights(engine, model, model_config)
-        summary, records = evaluate_examples(engine, codec, examples, reward_fn, sampling, ks=ks)
+        summary, records = evaluate_examples(engine, codec, examples, reward_fn, sampling, ks=ks,
+                                             environment=environment)
     finally:
         engine.close()
     report = {"checkpoint": str(checkpoint), "step": restored_step, "base_model": str(base),
@@ -121,8 +129,8 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
 
 
 def format_table(report: dict) -> str:
-    keys = ["accuracy"] + sorted(k for k in report if k.startswith("pass@")) + ["mean_length", "num_problems",
-                                                                                  "samples_per_problem"]
+    keys = ["accuracy"] + sorted(k for k in report if k.startswith("pass@")) + ["mean_length", "mean_turns",
+                                                                                  "num_problems", "samples_per_problem"]
     rows = [("checkpoint", report["checkpoint"]), ("step", report["step"]), ("task", report["task"]),
             ("engine", f"{report['engine']} ({report['quantization'] or 'bf16'})")]
     rows += [(k, f"{report[k]:.4f}" if isinstance(report[k], float) else report[k]) for k in keys]
@@ -139,7 +147,10 @@ def cli(argv=None):
     prefer_passive_omp_waits()  # before anything below imports torch
     from portable_rl import gin_utils
 
-    configured = gin_utils.register_configurable(evaluate, name="evaluate")
+    gin_utils.register_library()  # rl.EnvironmentConfig: its bindings (gin/data/sql_generated.gin) build `environment`
+    configured = gin_utils.register_configurable(
+        gin_utils.with_config_defaults(evaluate, {"environment": gin_utils.CONFIG_OBJECTS["environment"]}),
+        name="evaluate")
     gin_utils.run(configured, argv, description=__doc__.splitlines()[0])
 
 

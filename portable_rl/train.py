@@ -192,7 +192,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
     from portable_rl.rl.preemption import StopRequest
     from portable_rl.rl.roles import EngineSide, FollowerSide
     from portable_rl.rl.sync import smoothquant_for_run
-    from portable_rl.tasks import get_reward
+    from portable_rl.rl.turns import task_reward
 
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
@@ -202,7 +202,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
             memory_plan = memory_plan.for_run(model_path=run.model_path, precision=precision)
         budget = prepare(memory_plan)
     held_out = list(task.eval_examples())[:run.eval_size]
-    reward_fn = get_reward(task.reward)
+    reward_fn = task_reward(environment, task, held_out[0])  # None: the environment scores (e.g. 'sql')
     state = build_run(run=run, algorithm=algorithm, correction=correction, optimizer_factory=optimizer_factory,
                       precision=precision, memory=memory, diagnostics=diagnostics, mesh=mesh,
                       warmstart_fn=warmstart_fn)

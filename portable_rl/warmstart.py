@@ -1,8 +1,11 @@
-"""Supervised warm start: a tiny random policy trained briefly on a task's (prompt, answer) pairs.
+"""Supervised warm start: a tiny random policy (or an HF checkpoint) trained briefly on a task's (prompt, answer) pairs.
 
     python -m portable_rl.warmstart --gin_file=gin/warmstart.gin [--gin.MODEL_PATH=DIR]
 
-Loss: mean over answer tokens (answer + EOS) of −log π(y_t | prompt, y_<t) at T = 1. The run is stopped
+Loss: mean over answer tokens (answer + EOS) of −log π(y_t | prompt, y_<t) at T = 1. An example whose
+`metadata["turns"]` holds chat turns (a multi-turn trace, e.g. `tasks.SqlTraceTask`) is laid out exactly as the
+multi-turn driver lays out a trajectory (rl/turns.py): prompt, then per assistant turn its text + EOS (in the
+loss), per other turn `codec.encode_observation(text, role)` (masked out of the loss). The run is stopped
 early (a fixed number of steps) so the policy is a weak but not hopeless starting point for RL: greedy
 accuracy is low while some of n samples are often right. Everything is deterministic from `seed`:
 the random init (make_tiny_checkpoint), the data (task.train_batch(step, draw=0)), and the updates.
@@ -30,7 +33,8 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
               batch_size: int = 64, learning_rate: float = 3e-3, seed: int = 0, max_positions: int = 64,
               warmup_steps: int = 30, schedule: str = "cosine", answer_noise: float = 0.0,
               noise_kind: str = "suffix", noise_suffix: str = "0", noise_offset: int = 1, progress: bool = True,
-              size_overrides: Optional[dict] = None, snapshot_steps: Sequence[int] = ()) -> str:
+              size_overrides: Optional[dict] = None, snapshot_steps: Sequence[int] = (),
+              base_model_path: Optional[str] = None, chat_template: bool = False) -> str:
     """Writes the warm-started HF checkpoint to `output_dir` and returns it.
 
     `answer_noise` > 0 imitates a sloppy teacher: the policy then puts most of its mass on the wrong form
@@ -58,6 +62,10 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
       size_overrides: entries replacing the size preset's (e.g. {"num_hidden_layers": 1}); None: none.
       snapshot_steps: after each of these step counts also write `<output_dir>_step<k>` (with "constant", the
         first k steps equal a k-step run).
+      base_model_path: an HF checkpoint to fine-tune (e.g. SmolLM2) instead of a random tiny model (`family`,
+        `size`, `max_positions` and `size_overrides` then unused).
+      chat_template: wrap prompts and observations in the tokenizer's chat template (the RL run's
+        `rl.RunConfig.chat_template`: the warm start must produce the layout training samples).
     """
     import jax.numpy as jnp
     import numpy as np
@@ -72,14 +80,18 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
     from portable_rl.rl.codec import TextCodec
     from portable_rl.testing import make_tiny_checkpoint
 
+    if base_model_path and not (Path(base_model_path) / "config.json").exists():
+        raise ConfigError(f"warmstart.base_model_path={base_model_path!r} holds no HF checkpoint; for SmolLM2 run "
+                          f"python -m portable_rl.convert.gguf {base_model_path}")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=output_dir.parent) as tmp:
-        init_dir = Path(tmp) / "init"
-        make_tiny_checkpoint(init_dir, family, size=size, seed=seed, dtype="float32",
-                             max_positions=max_positions, **(size_overrides or {}))
-        codec = TextCodec(init_dir)
+        init_dir = Path(base_model_path) if base_model_path else Path(tmp) / "init"
+        if not base_model_path:
+            make_tiny_checkpoint(init_dir, family, size=size, seed=seed, dtype="float32",
+                                 max_positions=max_positions, **(size_overrides or {}))
+        codec = TextCodec(init_dir, chat_template=chat_template)
         model, config = load_hf_model(init_dir, param_dtype=jnp.float32, compute_dtype=jnp.float32)
         tx = make_optimizer(learning_rate=learning_rate, warmup_steps=warmup_steps, total_steps=steps,
                             schedule=schedule, weight_decay=0.0, max_grad_norm=1.0)
@@ -97,10 +109,18 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
             examples = task.train_batch(WARMSTART_STREAM + step, 0, batch_size)
             noisy = np.random.default_rng([seed, step, 99]).random(len(examples)) < answer_noise
             prompts = [codec.encode_prompt(e.prompt) for e in examples]
-            answers = [codec.encode_response(_shown_answer(e.answer, noise_kind, noise_suffix, noise_offset)
-                                             if n else e.answer) for e, n in zip(examples, noisy)]
+            answers, masks = [], []
+            for e, n in zip(examples, noisy):
+                if "turns" in e.metadata:
+                    ids, mask = trace_ids(codec, e.metadata["turns"])
+                else:
+                    ids = codec.encode_response(_shown_answer(e.answer, noise_kind, noise_suffix, noise_offset)
+                                                if n else e.answer)
+                    mask = [1] * len(ids)
+                answers.append(ids)
+                masks.append(mask)
             batch = pack_rollouts(prompts, answers, [[0.0] * len(a) for a in answers], [0.0] * len(answers),
-                                  pad_id=codec.pad_id)
+                                  pad_id=codec.pad_id, response_masks=masks)
             metrics = train_step(model, optimizer, batch)
             if step + 1 in snapshot_steps:
                 snap = Path(f"{output_dir}_step{step + 1}")
@@ -116,6 +136,20 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
         staged.rename(output_dir)
     print(f"[warmstart] wrote {output_dir} ({steps} steps, {time.perf_counter() - t0:.0f}s)")
     return str(output_dir)
+
+
+def trace_ids(codec, turns: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Chat turns after the prompt → (response ids, loss mask) in the multi-turn driver's layout: an assistant turn
+    is its text + EOS (mask 1, what the policy samples), any other turn an observation (mask 0)."""
+    ids, mask = [], []
+    for turn in turns:
+        if turn["role"] == "assistant":
+            part = codec.encode_response(turn["content"])
+        else:
+            part = codec.encode_observation(turn["content"], turn["role"])
+        ids += part
+        mask += [int(turn["role"] == "assistant")] * len(part)
+    return ids, mask
 
 
 def _shown_answer(answer: str, kind: str, suffix: str, offset: int) -> str:

@@ -208,3 +208,38 @@ def test_the_gin_files_docs_your_model_shows_parse_and_bind(fresh_gin, data_file
                                        f"EVAL_DATA_PATH = '{data_files}/aime.jsonl'"])
         assert callable(_resolve(gin.query_parameter("train.engine_factory")))
         assert gin_utils.query_value("rl.RunConfig.model_path") == f"{data_files}/model"
+
+def test_sql_recipe_eval_file_and_warm_start_share_one_environment(tmp_path):
+    """gin/recipes/smollm2_sql_fp8.gin: the SQL environment with one max_turns for the driver, the environment and
+    the warm start's traces; gin/eval/sql_generated.gin evaluates the run's held-out questions in the same
+    environment, chat template and engine."""
+    from portable_rl import evaluate as evaluate_module
+    from portable_rl.rl.turns import environment_factory
+
+    cache = f"SQL_CACHE_DIR = '{tmp_path}/db'"
+
+    def bound(files, bindings, name):
+        gin.clear_config()
+        register_gin()
+        gin_utils.register_configurable(evaluate_module.evaluate, name="evaluate")
+        gin_utils.parse_gin(files, bindings + [cache])
+        chat_template = "rl.RunConfig.chat_template" if name == "train" else "evaluate.chat_template"
+        return {"task": _resolve(gin.query_parameter(f"{name}.task")), "environment": gin_utils.CONFIG_OBJECTS[
+                "environment"](), "chat_template": gin_utils.query_value(chat_template),
+                "engine": gin_utils.query_value("vllm/engines.create_engine.engine_init_kwargs")}
+
+    try:
+        recipe = bound(["gin/recipes/smollm2_sql_fp8.gin"], [f"RUN_DIR = '{tmp_path}/run'"], "train")
+        traces = _resolve(gin.query_parameter("warmstart.task"))
+        recipe_tokens = gin_utils.query_value("rl.RunConfig.eval_max_tokens")
+        ev = bound(["gin/eval/sql_generated.gin"], [f"CHECKPOINT = '{tmp_path}'"], "evaluate")
+        eval_tokens = gin_utils.query_value("evaluate.max_tokens")
+    finally:
+        gin.clear_config()
+    env = recipe["environment"]
+    assert env.name == "sql" and env == ev["environment"] and recipe["task"].reward is None
+    assert environment_factory(env, None)().max_turns == traces.max_turns == env.max_turns == 4
+    assert dict(traces.environment_kwargs) == env.kwargs
+    assert ev["task"].eval_examples() == recipe["task"].eval_examples()
+    assert ev["chat_template"] is recipe["chat_template"] is True
+    assert ev["engine"] == recipe["engine"] and eval_tokens == recipe_tokens

@@ -390,3 +390,104 @@ def test_the_7b_sql_recipe_parses_with_the_seed_settings(clean_gin):
     assert (q("tis.RolloutCorrectionConfig.mode"), q("tis.RolloutCorrectionConfig.clip")) == ("sequence", 4.0)
     assert (q("rl.DataConfig.prompt_batch_size"), q("rl.GenerationConfig.n_samples")) == (256, 5)
     assert q("%QUANTIZATION") == "fp8" and q("%LEARNING_RATE") == 1e-6 and q("%MAX_RESPONSE_TOKENS") == 3000
+
+
+# ---- wiring: rl.EnvironmentConfig ↔ the SQL tasks ------------------------------------------------------------------
+
+def test_sql_tasks_are_scored_by_the_environment_and_mismatches_name_the_fix(task):
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.rl.turns import environment_factory, task_reward
+    from portable_rl.tasks import ArithmeticTask
+
+    sql = EnvironmentConfig(name="sql", max_turns=4)
+    example = task.eval_examples()[0]
+    assert task.reward is None and task_reward(sql, task, example) is None
+    env = environment_factory(sql, None)()
+    assert env.max_turns == 4  # rl.EnvironmentConfig.max_turns is the environment's too
+    with pytest.raises(ConfigError, match="has no text reward.*gin/data/sql_generated.gin"):
+        task_reward(EnvironmentConfig(), task, example)
+    arithmetic = ArithmeticTask(num_eval=4)
+    with pytest.raises(ConfigError, match="db_path"):
+        task_reward(sql, arithmetic, arithmetic.eval_examples()[0])
+    assert task_reward(EnvironmentConfig(), arithmetic, arithmetic.eval_examples()[0])("85", "85") == 1.0
+    with pytest.raises(ConfigError, match="set rl.EnvironmentConfig.max_turns instead"):
+        environment_factory(EnvironmentConfig(name="sql", kwargs={"max_turns": 3}), None)
+
+
+def test_sql_trajectories_through_the_driver_on_a_real_database(task, tmp_path):
+    """The driver, the real SQL environment and SQLite: a scripted policy that explores, then answers (right on odd
+    seeds, a wrong query on even ones) → execution rewards, turns and finish reasons, observations masked."""
+    from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.rl.evaluation import evaluate_examples
+    from portable_rl.testing import char_tokenizer
+
+    char_tokenizer().save_pretrained(tmp_path)
+    codec = TextCodec(tmp_path)
+    examples = task.eval_examples()[:3]
+    # The char tokenizer drops what it cannot spell (newlines): key the gold queries by the prompts' round trip.
+    gold = {codec.tokenizer.decode(codec.encode_prompt(e.prompt), skip_special_tokens=True): e.answer
+            for e in examples}
+
+    class Scripted(EngineAdapter):
+        def generate(self, prompt_token_ids, sampling):
+            out = []
+            for i, p in enumerate(prompt_token_ids):
+                text = codec.tokenizer.decode(p, skip_special_tokens=True)
+                for j in range(sampling.n):
+                    query = next(a for q, a in gold.items() if text.startswith(q))
+                    action = (f"<sql>{query}</sql>" if "turns left" not in text else
+                              f"<solution>{query if sampling.seed_for(i, j) % 2 else 'SELECT 1'}</solution>")
+                    ids = codec.tokenizer.encode(action, add_special_tokens=False) + [codec.eos_id]
+                    out.append(Rollout(i, list(p), ids, [-0.1] * len(ids), "stop"))
+            return out
+
+        def update_weights(self, named_tensors):
+            pass
+
+        def close(self):
+            pass
+
+    summary, records = evaluate_examples(Scripted(), codec, examples, None, SamplingConfig(n=2, seed=1, max_tokens=8),
+                                         ks=(1, 2), environment=EnvironmentConfig(name="sql", max_turns=3))
+    assert summary["accuracy"] == 0.5 and summary["pass@2"] == 1.0 and summary["mean_turns"] == 2.0
+    assert sorted(r["reward"] for r in records) == [0.0] * 3 + [1.0] * 3 and {r["finish"] for r in records} == {"done"}
+    assert all("<observation>" in r["response"] and "2 turns left" in r["response"] for r in records)
+
+
+def test_warm_start_traces_are_laid_out_exactly_as_the_driver_lays_out_trajectories(task, smollm2):
+    """warmstart.trace_ids on a SqlTraceTask example == the driver's trajectory (ids and loss mask) when the
+    engine samples the trace's assistant turns, with SmolLM2's chat template and the real SQL environment."""
+    from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.rl.turns import environment_factory, run_trajectories
+    from portable_rl.warmstart import trace_ids
+
+    codec = TextCodec(smollm2, chat_template=True)
+    assert codec.eos_id == codec.tokenizer.convert_tokens_to_ids("<|im_end|>")  # a turn ends at EOS: no stop strings
+    config = EnvironmentConfig(name="sql", max_turns=4, kwargs={"max_rows": 5})
+    traces = SqlTraceTask(task, peek_probability=1.0, max_turns=4, environment_kwargs={"max_rows": 5})
+    example = traces.train_batch(0, 0, 1)[0]
+    replies = [codec.encode_response(t["content"]) for t in example.metadata["turns"] if t["role"] == "assistant"]
+
+    class Replay(EngineAdapter):
+        def generate(self, prompt_token_ids, sampling):
+            turn = self.turn = getattr(self, "turn", -1) + 1
+            return [Rollout(0, list(p), replies[turn], [-0.5] * len(replies[turn]), "stop") for p in prompt_token_ids]
+
+        def update_weights(self, named_tensors):
+            pass
+
+        def close(self):
+            pass
+
+    question = task.train_batch(0, 0, 1)[0]  # the trace's question, its answer the gold SQL
+    assert question.prompt == example.prompt
+    (traj,), _ = run_trajectories(Replay(), codec, [question], environment_factory(config, None),
+                                  SamplingConfig(n=1, seed=0, max_tokens=256), config)
+    ids, mask = trace_ids(codec, example.metadata["turns"])
+    assert traj.reward == 1.0 and traj.num_turns == 3 and traj.finish == "done"
+    assert traj.rollout.prompt_token_ids == codec.encode_prompt(example.prompt)
+    assert traj.rollout.response_token_ids == ids and traj.rollout.response_mask == mask

@@ -39,7 +39,7 @@ import numpy as np
 
 from portable_rl.engines.base import Rollout
 from portable_rl.environments import Step, get_environment
-from portable_rl.errors import UserError
+from portable_rl.errors import ConfigError, UserError
 
 FINISH_REASONS = ("done", "max_turns", "token_budget", "env_timeout", "env_error")
 
@@ -57,14 +57,44 @@ class Trajectory:
     info: dict            # the last step's info; env_timeout / env_error: {"error": ...}; + "close_error"
 
 
-def environment_factory(config, reward_fn: Callable[[str, str], float]) -> Callable[[], object]:
-    """`() -> a new Environment` from an `rl.EnvironmentConfig`; a constructor with a `reward` parameter gets
-    `reward_fn` (the task's) unless `config.kwargs` sets it."""
+def environment_factory(config, reward_fn: Callable[[str, str], float] | None) -> Callable[[], object]:
+    """`() -> a new Environment` from an `rl.EnvironmentConfig`. A constructor with a `reward` parameter gets
+    `reward_fn` (the task's, `task_reward`) unless `config.kwargs` sets it; one with a `max_turns` parameter (its
+    prompts count turns down) gets `config.max_turns`, the one place the limit is set."""
     cls = get_environment(config.name)
+    params = inspect.signature(cls).parameters
     kwargs = dict(config.kwargs)
-    if "reward" in inspect.signature(cls).parameters and "reward" not in kwargs:
+    if "max_turns" in kwargs:
+        raise ConfigError(f"rl.EnvironmentConfig.kwargs sets max_turns={kwargs['max_turns']}; set "
+                          "rl.EnvironmentConfig.max_turns instead (the driver and the environment share it)")
+    if "reward" in params and "reward" not in kwargs:
         kwargs["reward"] = reward_fn
+    if "max_turns" in params:
+        kwargs["max_turns"] = config.max_turns
     return lambda: cls(**kwargs)
+
+
+def task_reward(config, task, example) -> Callable[[str, str], float] | None:
+    """The task's text reward (`task.reward`, a registered name) when `config`'s environment scores with one (its
+    constructor takes `reward` and `config.kwargs` does not set it), else None: a task scored by its environment
+    (`task.reward = None`, e.g. `tasks.SqlTask`) has none. Checks the pairing before any model loads: a task
+    without a text reward needs such an environment, and `example` (a held-out one) must reset in it."""
+    from portable_rl.tasks.rewards import get_reward
+
+    cls = get_environment(config.name)
+    needs_reward = "reward" in inspect.signature(cls).parameters and "reward" not in config.kwargs
+    name = getattr(task, "name", type(task).__name__)
+    if needs_reward and task.reward is None:
+        raise ConfigError(f"task {name!r} has no text reward (its environment scores it) but "
+                          f"rl.EnvironmentConfig.name = {config.name!r} needs one; compose the task's gin data file "
+                          f"(gin/data/sql_generated.gin binds rl.EnvironmentConfig.name = 'sql')")
+    reward_fn = get_reward(task.reward) if needs_reward else None
+    env = environment_factory(config, reward_fn)()
+    try:
+        env.reset(example)  # e.g. the SQL environment refuses an example without a database
+    finally:
+        env.close()
+    return reward_fn
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:

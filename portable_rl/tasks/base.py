@@ -22,7 +22,7 @@ class Example:
 
 class Task(Protocol):
     name: str
-    reward: str  # name of a registered reward (portable_rl.tasks.rewards)
+    reward: str | None  # name of a registered reward (portable_rl.tasks.rewards); None: its environment scores it
 
     def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]: ...
 

@@ -303,8 +303,6 @@ class SqlTask(GeneratedTask):
       cache_dir: where the database files are written once and reused.
       seed: the seed of the held-out set and of every training batch.
       num_eval: held-out questions; training never draws their prompts.
-      environment: the registered environment that runs and scores these examples.
-      reward: what scores a trajectory: the SQL environment's execution match (not a text reward).
       name: the task's name in evaluation reports.
     """
     families: tuple[str, ...] = ("shop", "school", "flights")
@@ -313,9 +311,9 @@ class SqlTask(GeneratedTask):
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
     num_eval: int = 100
-    environment: str = "sql"
-    reward: str = "sql_execution"
     name: str = "sql"
+    # No text reward: the SQL environment scores a trajectory by execution (rl.EnvironmentConfig.name = 'sql').
+    reward = None
 
     def __post_init__(self):
         self.families, self.levels = tuple(self.families), tuple(self.levels)
@@ -422,8 +420,6 @@ class SkyrlSqlTask:
       db_root: the OmniSQL data folder (holding SynSQL-2.5M/databases, spider/database, ...).
       num_eval: held-out examples.
       seed: the seed of the training batches (rows drawn without replacement within a batch).
-      environment: the registered environment that runs and scores these examples.
-      reward: what scores a trajectory: the SQL environment's execution match (not a text reward).
       name: the task's name in evaluation reports.
     """
     train_path: str
@@ -431,9 +427,9 @@ class SkyrlSqlTask:
     db_root: str
     num_eval: int = 1024
     seed: int = 0
-    environment: str = "sql"
-    reward: str = "sql_execution"
     name: str = "skyrl_sql"
+    # No text reward: the SQL environment scores a trajectory by execution (rl.EnvironmentConfig.name = 'sql').
+    reward = None
 
     def __post_init__(self):
         self._train, train_skipped = read_skyrl_sql(self.train_path, self.db_root)
@@ -455,17 +451,18 @@ class SkyrlSqlTask:
 # ---- synthetic tool traces ----------------------------------------------------------------------------------
 
 def tool_trace(example: Example, rng: np.random.Generator, peek_probability: float = 0.5,
-               max_turns: int = 6) -> list[dict]:
+               max_turns: int = 6, **environment_kwargs) -> list[dict]:
     """A correct trajectory for a generated `example` as chat turns: assistant `<sql>` (the gold query, or with
     `peek_probability` first a look at its first table), user observation (the real one, from a `SqlEnvironment`
-    of `max_turns` turns, so the reminders match training), ..., assistant `<solution>gold</solution>`."""
+    of `max_turns` turns and `environment_kwargs`, so the reminders and tables match training), ..., assistant
+    `<solution>gold</solution>`."""
     queries = [example.answer]
     if rng.random() < peek_probability:
         table = example.answer.split(" FROM ", 1)[1].split()[0]
         queries.insert(0, f"SELECT * FROM {table} LIMIT 3")
     if len(queries) >= max_turns:
         raise ConfigError(f"max_turns={max_turns} leaves no turn for the solution; use max_turns >= 3")
-    env = SqlEnvironment(max_turns=max_turns)
+    env = SqlEnvironment(max_turns=max_turns, **environment_kwargs)
     env.reset(example)
     turns = []
     try:
@@ -481,20 +478,24 @@ def tool_trace(example: Example, rng: np.random.Generator, peek_probability: flo
 
 @dataclasses.dataclass
 class SqlTraceTask:
-    """`SqlTask`'s questions with answers that are whole tool traces (`tool_trace`), turns joined by newlines:
-    (prompt, answer) pairs for `portable_rl.warmstart`. The multi-turn driver renders observations with the chat
-    template's turns; a warm start meant for it should render `tool_trace`'s turns the same way.
+    """`SqlTask`'s questions with whole tool traces (`tool_trace`) for `portable_rl.warmstart`: the chat turns after
+    the prompt in `metadata["turns"]` (the warm start lays them out as the multi-turn driver does, loss on the
+    assistant turns only), the turns' texts joined by newlines as the answer.
 
     Attributes:
       sql_task: the generated task whose questions and databases are used.
       peek_probability: the share of traces that look at the table before querying.
-      max_turns: the environment's turn limit the traces' reminders count down from.
+      max_turns: the environment's turn limit the traces' reminders count down from: the RL run's
+        `rl.EnvironmentConfig.max_turns`.
+      environment_kwargs: the SQL environment's other settings (`max_rows`, ...): the RL run's
+        `rl.EnvironmentConfig.kwargs`, so the traces' observations are the ones training shows.
       reward: the registered text reward a single-turn scorer would use: the whole trace, verbatim.
       name: the task's name in reports.
     """
     sql_task: SqlTask
     peek_probability: float = 0.5
     max_turns: int = 6
+    environment_kwargs: dict = dataclasses.field(default_factory=dict)
     reward: str = "exact_match"
     name: str = "sql_traces"
 
@@ -507,5 +508,6 @@ class SqlTraceTask:
         return [self._traced(ex, rng) for ex in self.sql_task.eval_examples()]
 
     def _traced(self, example: Example, rng: np.random.Generator) -> Example:
-        text = "\n".join(turn["content"] for turn in tool_trace(example, rng, self.peek_probability, self.max_turns))
-        return dataclasses.replace(example, answer=text)
+        turns = tool_trace(example, rng, self.peek_probability, self.max_turns, **dict(self.environment_kwargs))
+        return dataclasses.replace(example, answer="\n".join(turn["content"] for turn in turns),
+                                   metadata={**example.metadata, "turns": turns})
