@@ -89,8 +89,9 @@ def unused_macros() -> list[str]:
 def length_resets(gin_files, bindings, search_paths) -> list[str]:
     """Length macros (MAX_MODEL_LEN, MAX_RESPONSE_TOKENS) lowered by a gin file parsed after another file set
     them (the trap: composing engines/vllm.gin after a model file resets MAX_MODEL_LEN to 64). Files are read in
-    gin's order, includes in place; a --gin.NAME binding that lowers one is deliberate and not reported."""
-    history: dict[str, list[tuple[str, str]]] = {}   # macro → [(file, value)] in parse order
+    gin's order, includes in place; a --gin.NAME binding, or a file lowering what a file it includes set (a
+    recipe's own choice), is deliberate and not reported."""
+    history: dict[str, list[tuple[str, str, tuple]]] = {}   # macro → [(file, value, its includers)] in parse order
 
     def find(name, parent):
         for d in [Path(parent).parent, *map(Path, search_paths), Path.cwd()]:
@@ -110,7 +111,7 @@ def length_resets(gin_files, bindings, search_paths) -> list[str]:
                 if child is not None:
                     walk(child, seen + (path,))
             elif m and m.group(1) in LENGTH_MACROS:
-                history.setdefault(m.group(1), []).append((str(path), m.group(2).strip()))
+                history.setdefault(m.group(1), []).append((str(path), m.group(2).strip(), tuple(map(str, seen))))
 
     for f in gin_files:
         p = find(f, Path.cwd() / "-")
@@ -118,13 +119,14 @@ def length_resets(gin_files, bindings, search_paths) -> list[str]:
             walk(p.resolve(), ())
     out = []
     for name, entries in history.items():
-        for (f0, v0), (f1, v1) in zip(entries, entries[1:]):
+        for (f0, v0, includers0), (f1, v1, _) in zip(entries, entries[1:]):
             try:
                 lowered = int(ast.literal_eval(v1)) < int(ast.literal_eval(v0))
             except (ValueError, SyntaxError):
                 continue
             final = [b for b in bindings if re.match(rf"\s*{name}\s*=", b)]
-            if lowered and f0 != f1 and not final:
+            overrides_own_include = f1 in includers0   # a recipe setting a length its included model file set
+            if lowered and f0 != f1 and not overrides_own_include and not final:
                 out.append(f"{name} = {v0} ({_short(f0)}) was reset to {v1} by {_short(f1)}, read after it; compose "
                            f"{_short(f1)} before the file that sets {name}, or set {name} again last")
     return out

