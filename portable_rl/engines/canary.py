@@ -168,6 +168,14 @@ class Problem:
                 f"update {self.internal.used_by} (internal '{self.internal.name}')")
 
 
+def main(check, all_hold: str, argv: list[str]) -> int:
+    """`python -m portable_rl.engines.<engine>_internals [wheel or dir]`: one line per broken internal (exit 1),
+    or `all_hold` (exit 0)."""
+    problems = check(argv[0] if argv else None)
+    print("\n".join(map(str, problems)) or all_hold)
+    return 1 if problems else 0
+
+
 def check_internals(internals: tuple[Internal, ...], src: PackageSource, engine: str) -> list[Problem]:
     """One Problem per internal whose check fails against `src` (a check that raises counts as failed)."""
     version = src.version()

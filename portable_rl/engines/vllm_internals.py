@@ -483,6 +483,4 @@ def check_internals(where: str | None = None) -> list[Problem]:
 
 
 if __name__ == "__main__":
-    problems = check_internals(sys.argv[1] if len(sys.argv) > 1 else None)
-    print("\n".join(map(str, problems)) or f"all {len(INTERNALS)} vLLM internals hold")
-    sys.exit(1 if problems else 0)
+    sys.exit(canary.main(check_internals, f"all {len(INTERNALS)} vLLM internals hold", sys.argv[1:]))

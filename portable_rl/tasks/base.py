@@ -59,6 +59,20 @@ class GeneratedTask:
         return list(self._eval)
 
 
+class DatasetTask:
+    """Train / held-out plumbing for tasks read from files into `self._train` / `self._eval` (lists of
+    `Example`): training batch (step, draw) is `batch_size` rows drawn by `np.random.default_rng([seed, step,
+    draw])`, with replacement only when the file has fewer rows."""
+
+    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
+        rng = np.random.default_rng([self.seed, step, draw])
+        idx = rng.choice(len(self._train), size=batch_size, replace=batch_size > len(self._train))
+        return [self._train[i] for i in idx]
+
+    def eval_examples(self) -> list[Example]:
+        return list(self._eval)
+
+
 def data_metrics(task) -> dict[str, int]:
     """Metrics-row entries for the malformed rows a task skipped while reading its files:
     `data/skipped_rows` and `data/skipped/<reason>`; {} for tasks that generate their data."""

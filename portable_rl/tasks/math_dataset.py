@@ -24,10 +24,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from portable_rl.errors import UserError
-from portable_rl.tasks.base import Example
+from portable_rl.tasks.base import DatasetTask, Example
 from portable_rl.tasks.rewards import get_reward
 
 _log = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ def read_examples(path: str | Path, *, prompt_key: str = "prompt",
 
 
 @dataclasses.dataclass
-class MathDatasetTask:
+class MathDatasetTask(DatasetTask):
     """Prompts and ground-truth answers read from a .jsonl or .parquet file (module doc: layout, bad rows).
 
     Attributes:
@@ -198,11 +197,3 @@ class MathDatasetTask:
 
     def _templated(self, e: Example) -> Example:
         return Example(prompt=self.prompt_template.format(prompt=e.prompt), answer=e.answer)
-
-    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
-        rng = np.random.default_rng([self.seed, step, draw])
-        idx = rng.choice(len(self._train), size=batch_size, replace=batch_size > len(self._train))
-        return [self._train[i] for i in idx]
-
-    def eval_examples(self) -> list[Example]:
-        return list(self._eval)

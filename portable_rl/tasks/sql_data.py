@@ -39,7 +39,7 @@ import numpy as np
 
 from portable_rl.environments.sql import ReadOnlyDatabase, SqlEnvironment
 from portable_rl.errors import ConfigError, UserError
-from portable_rl.tasks.base import Example, GeneratedTask
+from portable_rl.tasks.base import DatasetTask, Example, GeneratedTask
 
 GENERATOR_VERSION = 1  # bump when the schemas, the fill or the templates change: the cache keys on it
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "portable_rl", "sql_databases")
@@ -411,7 +411,7 @@ def read_skyrl_sql(parquet_path: str, db_root: str) -> tuple[list[Example], coll
 
 
 @dataclasses.dataclass
-class SkyrlSqlTask:
+class SkyrlSqlTask(DatasetTask):
     """SkyRL-SQL-653 (train.parquet / validation.parquet) with its databases; scored by the SQL environment.
 
     Attributes:
@@ -438,14 +438,6 @@ class SkyrlSqlTask:
         skipped = train_skipped + eval_skipped
         self.skipped_reasons = dict(sorted(skipped.items()))
         self.skipped_rows = sum(skipped.values())
-
-    def train_batch(self, step: int, draw: int, batch_size: int) -> list[Example]:
-        rng = np.random.default_rng([self.seed, step, draw])
-        idx = rng.choice(len(self._train), size=batch_size, replace=batch_size > len(self._train))
-        return [self._train[i] for i in idx]
-
-    def eval_examples(self) -> list[Example]:
-        return list(self._eval)
 
 
 # ---- synthetic tool traces ----------------------------------------------------------------------------------
