@@ -24,7 +24,9 @@ and one `engines` per engine host:
 a CPU cluster, or the one-box rehearsal of tests/test_cluster.py; by default JAX takes the host's accelerators.
 
 Stopping: SIGTERM / SIGINT to a head or engines role reaches `ray start --block`, which stops the Ray processes
-it started and exits; the role exits with its code (and `ray start` dies with the role even on a kill -9).
+it started and exits; the role then exits 0. A `ray start` that fails on its own is started again, 3 times in all
+(Ray gives a node 30 s to register, which a loaded host can miss), and `ray start` dies with the role even on a
+kill -9.
 A learner exits as `train` does: one process failing ends it at once (`launch.fail_fast`), and the scheduler
 (`srun --kill-on-bad-exit`) or JAX's heartbeat ends the others.
 """
@@ -78,22 +80,35 @@ def ray_start_command(role: str, head: str, ray_port: int, extra: list[str]) -> 
     return command + [f"--address={head}:{ray_port}", *extra]
 
 
-def run_ray_node(command: list[str]) -> int:
-    """Runs `ray start --block` until it exits; SIGTERM / SIGINT to this process are passed on to it."""
-    child = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent)
+def run_ray_node(command: list[str], attempts: int = 3) -> int:
+    """Runs `ray start --block` until it exits, starting it again (up to `attempts` times in all) when it fails on
+    its own: Ray gives a new node 30 s to register, which a slow shared filesystem or a loaded host misses, and
+    an engine host that started before the head comes up fails too. SIGTERM / SIGINT to this process are passed
+    on. → 0 after a stop asked for that way (Ray exits 1 from its SIGTERM handler), else the last exit code."""
+    stop_asked, child = [], None
 
     def forward(signum, frame=None):
-        if child.poll() is None:
+        stop_asked.append(signum)
+        if child is not None and child.poll() is None:
             child.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
-    try:
-        return child.wait()
-    finally:
-        if child.poll() is None:  # this process is ending some other way: take Ray's processes with it
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+    code = 0
+    for attempt in range(1, attempts + 1):
+        child = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent)
+        try:
+            code = child.wait()
+        finally:
+            if child.poll() is None:  # this process is ending some other way: take Ray's processes with it
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        if stop_asked:
+            return 0
+        if attempt < attempts:
+            print(f"[cluster] ray start exited with code {code} (attempt {attempt} of {attempts}); starting it "
+                  "again", file=sys.stderr, flush=True)
+    return code
 
 
 def learner_env(base: dict, *, head: str, ray_port: int, coordinator_port: int, num_processes: int,

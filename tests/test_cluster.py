@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,43 @@ def test_bad_input_is_one_line(argv, env, message, monkeypatch):
         cluster.main([a.replace("{port}", port) for a in argv])
     text = str(e.value.code)
     assert text.startswith("error: ") and message.replace("{port}", port) in text and "\n" not in text, text
+
+
+NODE = """import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # as `ray start --block` does, after stopping its node
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
+def test_a_ray_node_role_passes_a_stop_on_and_takes_its_node_along(tmp_path, stop):
+    """`run_ray_node` with a stand-in for `ray start --block`: SIGTERM to the role reaches it and the role exits 0;
+    a kill -9 of the role takes it along (PR_SET_PDEATHSIG)."""
+    pid_file = tmp_path / "node.pid"
+    role = subprocess.Popen([sys.executable, "-c", "import sys; from portable_rl.cluster import run_ray_node; "
+                             f"sys.exit(run_ray_node([sys.executable, '-c', {NODE!r}, {str(pid_file)!r}]))"],
+                            cwd=REPO)
+    deadline = time.time() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    node = int(pid_file.read_text())
+    role.send_signal(stop)
+    assert role.wait(timeout=60) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
+    deadline = time.time() + 10
+    while alive(node) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(node)
+
+
+def test_a_ray_node_that_fails_on_its_own_is_started_again_three_times(tmp_path):
+    starts = tmp_path / "starts"
+    fails = f"import sys; open({str(starts)!r}, 'a').write('x'); sys.exit(3)"
+    role = subprocess.run([sys.executable, "-c", "import sys; from portable_rl.cluster import run_ray_node; "
+                           f"sys.exit(run_ray_node([sys.executable, '-c', {fails!r}]))"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert role.returncode == 3 and starts.read_text() == "xxx"
+    assert "ray start exited with code 3 (attempt 2 of 3); starting it again" in role.stderr
 
 
 # ------------------------------------------------------------------------------------------ the rehearsal
@@ -134,7 +172,11 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
     model, run = make_tiny_checkpoint(tmp_path / "tiny", "qwen2"), tmp_path / "run"
     # Ray's session dirs hold Unix sockets (107-byte paths): short temp dirs, one per node
     head_tmp, engines_tmp = (tempfile.mkdtemp(prefix="prl_ray_", dir="/tmp") for _ in range(2))
-    node = ["--node-ip-address=127.0.0.1", "--object-store-memory=200000000"]
+    def node():  # every agent port given: the raylet then does not wait ~20 s for agents to report theirs (which
+        # fails when a loaded box starts them slowly), and the two nodes on this box take different ones
+        ports = ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent")
+        return ["--node-ip-address=127.0.0.1", "--object-store-memory=200000000",
+                *(f"--{name}-port={free_port()}" for name in ports)]
     values = {
         "PYTHON": sys.executable, "HEAD": "127.0.0.1", "RAY_PORT": free_port(), "COORDINATOR_PORT": free_port(),
         "GPUS_PER_NODE": 0, "LEARNER_ARGS": ["--cpu_devices", "1"],
@@ -144,14 +186,14 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
     }
     ray_args = {  # one box, two Ray nodes: each its own temp dir and ports that the other does not take
         "head": [f"--temp-dir={head_tmp}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-                 f"--dashboard-agent-listen-port={free_port()}", *node],
-        "engines": [f"--temp-dir={engines_tmp}", f"--dashboard-agent-listen-port={free_port()}", "--num-cpus=2", *node],
+                 *node()],
+        "engines": [f"--temp-dir={engines_tmp}", "--num-cpus=2", *node()],
     }
     env = {k: v for k, v in os.environ.items()
            if k not in (COORDINATOR, NUM_PROCESSES, PROCESS_ID, "RAY_ADDRESS", "PORTABLE_RL_MULTIHOST")}
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(PYTHONUNBUFFERED="1", RAY_agent_register_timeout_ms="300000")  # a loaded box starts agents slowly
     procs: dict[str, subprocess.Popen] = {}
-    logs = {}
+    logs, passed = {}, False
 
     def start(name, role, **extra_env):
         logs[name] = open(tmp_path / f"{name}.log", "w")
@@ -172,7 +214,8 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
             assert procs["head"].poll() is None, log("head")[-3000:]
             time.sleep(1)
         codes = [procs[f"learner{i}"].poll() for i in range(2)]
-        assert codes == [0, 0], f"learners exited {codes}:\n{log('learner0')[-4000:]}\n{log('learner1')[-2000:]}"
+        assert codes == [0, 0], (f"learners exited {codes} (Ray logs: {head_tmp}, {engines_tmp}):\n"
+                                 f"{log('head')[-1500:]}\n{log('learner0')[-4000:]}\n{log('learner1')[-2000:]}")
 
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         assert [r["step"] for r in rows] == [0, 1, 2], rows  # written once, by the driver
@@ -192,6 +235,7 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
         assert not left, f"processes left after SIGTERM to the roles: {left}"
         assert [procs[name].returncode for name in ("head", "engines")] == [0, 0], (log("head")[-2000:],
                                                                                     log("engines")[-2000:])
+        passed = True
     finally:
         stragglers = descendants([p.pid for p in procs.values()])
         _stop(procs, timeout_s=20)
@@ -202,3 +246,6 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
                 pass
         for f in logs.values():
             f.close()
+        if passed:  # else the Ray logs stay for a look (the paths are in the failure's message)
+            for tmp in (head_tmp, engines_tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
