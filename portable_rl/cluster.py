@@ -25,9 +25,9 @@ a CPU cluster, or the one-box rehearsal of tests/test_cluster.py; by default JAX
 
 Stopping: SIGTERM / SIGINT to a head or engines role reaches `ray start --block`, which stops the Ray processes
 it started and exits; the role then exits 0. A `ray start` that fails on its own is started again, 3 times in all
-(Ray gives a node 30 s to register, which a loaded host can miss), and `ray start` dies with the role even on a
-kill -9.
-A learner exits as `train` does: one process failing ends it at once (`launch.fail_fast`), and the scheduler
+(a new node must come up within Ray's fixed waits, ~15 s for its agents and 30 s to register, which a loaded host
+or a slow shared filesystem misses; a second try finds the imports cached), and `ray start` dies with the role
+even on a kill -9. A learner exits as `train` does: one process failing ends it at once (`launch.fail_fast`), and the scheduler
 (`srun --kill-on-bad-exit`) or JAX's heartbeat ends the others.
 """
 
@@ -82,8 +82,8 @@ def ray_start_command(role: str, head: str, ray_port: int, extra: list[str]) -> 
 
 def run_ray_node(command: list[str], attempts: int = 3) -> int:
     """Runs `ray start --block` until it exits, starting it again (up to `attempts` times in all) when it fails on
-    its own: Ray gives a new node 30 s to register, which a slow shared filesystem or a loaded host misses, and
-    an engine host that started before the head comes up fails too. SIGTERM / SIGINT to this process are passed
+    its own: a new node must come up within Ray's fixed waits (module doc), and an engine host fails too when
+    the head it joins is not up yet. SIGTERM / SIGINT to this process are passed
     on. → 0 after a stop asked for that way (Ray exits 1 from its SIGTERM handler), else the last exit code."""
     stop_asked, child = [], None
 
