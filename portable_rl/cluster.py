@@ -24,7 +24,7 @@ and one `engines` per engine host:
 a CPU cluster, or the one-box rehearsal of tests/test_cluster.py; by default JAX takes the host's accelerators.
 
 Stopping: SIGTERM / SIGINT to a head or engines role reaches `ray start --block`, which stops the Ray processes
-it started and exits; the role then exits 0. A `ray start` that fails on its own is started again, 3 times in all
+it started and exits; the role then exits 0. A `ray start` that fails on its own is started again, 5 tries in all
 (a new node must come up within Ray's fixed waits, ~15 s for its agents and 30 s to register, which a loaded host
 or a slow shared filesystem misses; a second try finds the imports cached), and `ray start` dies with the role
 even on a kill -9. A learner exits as `train` does: one process failing ends it at once (`launch.fail_fast`), and the scheduler
@@ -80,7 +80,7 @@ def ray_start_command(role: str, head: str, ray_port: int, extra: list[str]) -> 
     return command + [f"--address={head}:{ray_port}", *extra]
 
 
-def run_ray_node(command: list[str], attempts: int = 3) -> int:
+def run_ray_node(command: list[str], attempts: int = 5) -> int:
     """Runs `ray start --block` until it exits, starting it again (up to `attempts` times in all) when it fails on
     its own: a new node must come up within Ray's fixed waits (module doc), and an engine host fails too when
     the head it joins is not up yet. SIGTERM / SIGINT to this process are passed
