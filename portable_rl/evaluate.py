@@ -151,7 +151,7 @@ def cli(argv=None):
     configured = gin_utils.register_configurable(
         gin_utils.with_config_defaults(evaluate, {"environment": gin_utils.CONFIG_OBJECTS["environment"]}),
         name="evaluate")
-    gin_utils.run(configured, argv, description=__doc__.splitlines()[0])
+    gin_utils.run(configured, argv, description=__doc__.splitlines()[0], warn_traps=True)  # e.g. an unread TEMPERATURE
 
 
 if __name__ == "__main__":

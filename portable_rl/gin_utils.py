@@ -231,10 +231,108 @@ class _DropMisses(logging.Filter):
         return not str(record.msg).startswith("Path not found")
 
 
-def run(main: Callable[[], None], argv: Sequence[str] | None = None, description: str = "") -> None:
+# ------------------------------------------------------------------------------- gin files: silent traps
+LENGTH_MACROS = ("MAX_MODEL_LEN", "MAX_RESPONSE_TOKENS")
+
+
+def unused_macros() -> list[str]:
+    """Macros bound (by a file or --gin.NAME) that no binding reads, directly or through a read macro."""
+    config = gin.config._CONFIG  # gin exposes no public view of the macro table
+    macros = {scope for (scope, selector) in config if selector == "gin.macro"}
+
+    def refs(value, out):
+        if isinstance(value, gin.config.ConfigurableReference):
+            if value.configurable.name == "macro":
+                out.add(value.scopes[-1])
+        elif isinstance(value, dict):
+            for v in value.values():
+                refs(v, out)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                refs(v, out)
+        return out
+
+    read = set()
+    for (scope, selector), params in config.items():
+        if selector != "gin.macro":
+            for v in params.values():
+                refs(v, read)
+    frontier = set(read)
+    while frontier:  # macros read through read macros
+        new = set()
+        for m in frontier:
+            refs(config[(m, "gin.macro")]["value"], new)
+        frontier = new - read
+        read |= new
+    return sorted(macros - read)
+
+
+def length_resets(gin_files, bindings, search_paths) -> list[str]:
+    """Length macros (MAX_MODEL_LEN, MAX_RESPONSE_TOKENS) lowered by a gin file parsed after another file set
+    them (the trap: composing engines/vllm.gin after a model file resets MAX_MODEL_LEN to 64). Files are read in
+    gin's order, includes in place; a --gin.NAME binding, or a file lowering what a file it includes set (a
+    recipe's own choice), is deliberate and not reported."""
+    history: dict[str, list[tuple[str, str, tuple]]] = {}   # macro → [(file, value, its includers)] in parse order
+
+    def find(name, parent):
+        for d in [Path(parent).parent, *map(Path, search_paths), Path.cwd()]:
+            if (d / name).exists():
+                return d / name
+        return None
+
+    def walk(path: Path, seen: tuple):
+        if path in seen:
+            return
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            inc = re.match(r"include\s+['\"](.+)['\"]", line)
+            m = re.match(r"([A-Z][A-Z0-9_]*)\s*=\s*(.+)$", line)
+            if inc:
+                child = find(inc.group(1), path)
+                if child is not None:
+                    walk(child, seen + (path,))
+            elif m and m.group(1) in LENGTH_MACROS:
+                history.setdefault(m.group(1), []).append((str(path), m.group(2).strip(), tuple(map(str, seen))))
+
+    for f in gin_files:
+        p = find(f, Path.cwd() / "-")
+        if p is not None:
+            walk(p.resolve(), ())
+    out = []
+    for name, entries in history.items():
+        for (f0, v0, includers0), (f1, v1, _) in zip(entries, entries[1:]):
+            try:
+                lowered = int(ast.literal_eval(v1)) < int(ast.literal_eval(v0))
+            except (ValueError, SyntaxError):
+                continue
+            final = [b for b in bindings if re.match(rf"\s*{name}\s*=", b)]
+            overrides_own_include = f1 in includers0   # a recipe setting a length its included model file set
+            if lowered and f0 != f1 and not overrides_own_include and not final:
+                out.append(f"{name} = {v0} ({_short(f0)}) was reset to {v1} by {_short(f1)}, read after it; compose "
+                           f"{_short(f1)} before the file that sets {name}, or set {name} again last")
+    return out
+
+
+def _short(path: str) -> str:
+    parts = Path(path).parts
+    return "/".join(parts[parts.index("gin"):]) if "gin" in parts else path
+
+
+def gin_traps(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
+              gin_search_paths: Sequence[str] = ()) -> list[str]:
+    """The parsed config's silent traps, one line each: macros bound and never read (`unused_macros`), and
+    length macros lowered by a later file (`length_resets`). Call after `parse_gin` with its arguments."""
+    searches = [p for s in gin_search_paths for p in s.split(",") if p] + default_search_paths()
+    traps = [f"macro {name} is bound but nothing reads it" for name in unused_macros()]
+    return traps + length_resets(gin_files, gin_bindings, searches)
+
+
+def run(main: Callable[[], None], argv: Sequence[str] | None = None, description: str = "",
+        warn_traps: bool = False) -> None:
     """Parses flags, parses gin, then calls `main()` whose configurable parameters gin fills in.
 
     Gin errors (unknown parameter, missing REQUIRED macro, bad syntax) end the program with one line.
+    `warn_traps`: first print a `warning:` line on stderr per silent trap of the config (`gin_traps`).
     """
     argv = rewrite_gin_args(sys.argv[1:] if argv is None else argv)
     args = make_parser(description).parse_args(argv)
@@ -242,6 +340,9 @@ def run(main: Callable[[], None], argv: Sequence[str] | None = None, description
         parse_gin(args.gin_file, args.gin_bindings, args.gin_search_paths)
     except (ValueError, TypeError, KeyError, IOError) as e:
         exit_gin_error(e)
+    if warn_traps:
+        for trap in gin_traps(args.gin_file, args.gin_bindings, args.gin_search_paths):
+            print(f"warning: {trap}", file=sys.stderr, flush=True)
     try:
         main()
     except Exception as e:

@@ -103,17 +103,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_devices_env(base: dict, devices: int) -> dict:
+    """The variables that give a JAX process `devices` host CPU devices and gloo collectives between processes."""
+    flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    return {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+            "XLA_FLAGS": " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={devices}"])}
+
+
 def process_env(base: dict, *, port: int, num_processes: int, process_id: int, devices: int) -> dict:
     """Process `process_id`'s environment: the cluster variables and `devices` host CPU devices."""
-    flags = [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     return {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(num_processes),
             PROCESS_ID: str(process_id),
             "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",  # loopback only, not every interface
-            "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
-            "XLA_FLAGS": " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={devices}"]), "PYTHONUNBUFFERED": "1"}
+            **cpu_devices_env(base, devices), "PYTHONUNBUFFERED": "1"}
 
 
-def _die_with_parent():  # runs in the child before exec: SIGKILL it when the launcher dies
+def die_with_parent():  # runs in the child before exec: SIGKILL it when its parent dies
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -147,7 +152,7 @@ class Launch:
                               devices=devices_per_process)
             piped = i > 0  # process 0 keeps the console (progress bar); the others' lines get a prefix
             self.children.append(subprocess.Popen(
-                [sys.executable, "-m", module, *args], env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                [sys.executable, "-m", module, *args], env=env, start_new_session=True, preexec_fn=die_with_parent,
                 stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None))
         for i, child in enumerate(self.children[1:], 1):  # threads only after the last fork (preexec_fn)
             threading.Thread(target=_prefix_lines, args=(child.stdout, f"[process {i}] "), daemon=True).start()

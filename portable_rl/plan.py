@@ -26,16 +26,13 @@ fix. `--json` prints the whole plan as one JSON object. Exit status: 0 fits, 2 d
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
 import json
 import math
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from portable_rl import gin_utils
 from portable_rl.errors import ConfigError, UserError
@@ -47,94 +44,6 @@ GB = 1e9
 CONFIGS_DIR = Path(__file__).resolve().parent / "planning" / "configs"
 XLA_DEFAULT_FRACTION = 0.75   # XLA_PYTHON_CLIENT_MEM_FRACTION's default: XLA preallocates it at its first use
 VLLM_DEFAULT_UTILIZATION = 0.9
-LENGTH_MACROS = ("MAX_MODEL_LEN", "MAX_RESPONSE_TOKENS")
-
-
-# ------------------------------------------------------------------------------------------- gin reading
-# ------------------------------------------------------------------------------- gin files: silent traps
-def unused_macros() -> list[str]:
-    """Macros bound (by a file or --gin.NAME) that no binding reads, directly or through a read macro."""
-    import gin
-
-    config = gin.config._CONFIG  # gin exposes no public view of the macro table
-    macros = {scope for (scope, selector) in config if selector == "gin.macro"}
-
-    def refs(value, out):
-        if isinstance(value, gin.config.ConfigurableReference):
-            if value.configurable.name == "macro":
-                out.add(value.scopes[-1])
-        elif isinstance(value, dict):
-            for v in value.values():
-                refs(v, out)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                refs(v, out)
-        return out
-
-    read = set()
-    for (scope, selector), params in config.items():
-        if selector != "gin.macro":
-            for v in params.values():
-                refs(v, read)
-    frontier = set(read)
-    while frontier:  # macros read through read macros
-        new = set()
-        for m in frontier:
-            refs(config[(m, "gin.macro")]["value"], new)
-        frontier = new - read
-        read |= new
-    return sorted(macros - read)
-
-
-def length_resets(gin_files, bindings, search_paths) -> list[str]:
-    """Length macros (MAX_MODEL_LEN, MAX_RESPONSE_TOKENS) lowered by a gin file parsed after another file set
-    them (the trap: composing engines/vllm.gin after a model file resets MAX_MODEL_LEN to 64). Files are read in
-    gin's order, includes in place; a --gin.NAME binding, or a file lowering what a file it includes set (a
-    recipe's own choice), is deliberate and not reported."""
-    history: dict[str, list[tuple[str, str, tuple]]] = {}   # macro → [(file, value, its includers)] in parse order
-
-    def find(name, parent):
-        for d in [Path(parent).parent, *map(Path, search_paths), Path.cwd()]:
-            if (d / name).exists():
-                return d / name
-        return None
-
-    def walk(path: Path, seen: tuple):
-        if path in seen:
-            return
-        for line in path.read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            inc = re.match(r"include\s+['\"](.+)['\"]", line)
-            m = re.match(r"([A-Z][A-Z0-9_]*)\s*=\s*(.+)$", line)
-            if inc:
-                child = find(inc.group(1), path)
-                if child is not None:
-                    walk(child, seen + (path,))
-            elif m and m.group(1) in LENGTH_MACROS:
-                history.setdefault(m.group(1), []).append((str(path), m.group(2).strip(), tuple(map(str, seen))))
-
-    for f in gin_files:
-        p = find(f, Path.cwd() / "-")
-        if p is not None:
-            walk(p.resolve(), ())
-    out = []
-    for name, entries in history.items():
-        for (f0, v0, includers0), (f1, v1, _) in zip(entries, entries[1:]):
-            try:
-                lowered = int(ast.literal_eval(v1)) < int(ast.literal_eval(v0))
-            except (ValueError, SyntaxError):
-                continue
-            final = [b for b in bindings if re.match(rf"\s*{name}\s*=", b)]
-            overrides_own_include = f1 in includers0   # a recipe setting a length its included model file set
-            if lowered and f0 != f1 and not overrides_own_include and not final:
-                out.append(f"{name} = {v0} ({_short(f0)}) was reset to {v1} by {_short(f1)}, read after it; compose "
-                           f"{_short(f1)} before the file that sets {name}, or set {name} again last")
-    return out
-
-
-def _short(path: str) -> str:
-    parts = Path(path).parts
-    return "/".join(parts[parts.index("gin"):]) if "gin" in parts else path
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -443,9 +352,7 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
                   engine=gin_utils.engine_settings(), memory_plan=gin_utils.run_memory_plan(learner_devices=args.gpus),
                   environ=environ,
                   full_compile=args.full_compile)
-    searches = [p for s in args.gin_search_paths for p in s.split(",") if p] + gin_utils.default_search_paths()
-    traps = [f"macro {name} is bound but nothing reads it" for name in unused_macros()]
-    traps += length_resets(args.gin_file, args.gin_bindings, searches)
+    traps = gin_utils.gin_traps(args.gin_file, args.gin_bindings, args.gin_search_paths)
     result.data["warnings"] += traps
     result.lines += [f"warning  {w}" for w in traps]
     return result

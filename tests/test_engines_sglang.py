@@ -10,6 +10,8 @@ import inspect
 import json
 import os
 import shutil
+import sys
+import types
 
 import pytest
 import torch
@@ -69,6 +71,32 @@ def test_fake_mirrors_the_recorded_signatures(qwen2):
     with pytest.raises(TypeError, match="seed"):
         fake.generate(input_ids=[[1]], sampling_params=[{"max_new_tokens": 1, "seed": 3}])  # it is sampling_seed
     assert fake.flush_cache().success is True  # an object, not a tuple
+
+
+def test_sglang_outside_the_supported_range_is_refused_in_one_line(qwen2, monkeypatch):
+    """The adapter was written against 0.5.23 (its source layout): an older SGLang, or 0.6, stops before it starts,
+    with the line vLLM's adapter gives (one helper: engines/canary.check_version)."""
+    from portable_rl.engines.sglang_internals import check_sglang_version
+    from portable_rl.engines.vllm_internals import check_vllm_version
+
+    for version in ("0.5.23", "0.5.23.post1", "0.5.30", "0.5.99rc1"):
+        check_sglang_version(version)
+    for version in ("0.5.22", "0.5.8", "0.6.0", "1.0.0", "dev"):
+        with pytest.raises(ConfigError, match=rf"^SGLang {version} is installed, but portable_rl's SGLang adapter is "
+                                              r"tested with 0.5.23 or a later 0.5.x only; pip install -r "
+                                              r"requirements/gpu-sglang.txt") as err:
+            check_sglang_version(version)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as vllm_err:
+        check_vllm_version("0.31.0")
+    assert str(vllm_err.value).startswith("vLLM 0.31.0 is installed, but portable_rl's vLLM adapter is tested with "
+                                          "0.32.x only; ")
+    started = []  # the real import path: the check runs before SGLang's Engine is built
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.22",
+                                                                      Engine=lambda **kw: started.append(kw)))
+    with pytest.raises(ConfigError, match="^SGLang 0.5.22 is installed"):
+        create_engine("sglang", model_path=qwen2)
+    assert started == []
 
 
 def test_fake_ignores_seeds_unless_deterministic(qwen2):

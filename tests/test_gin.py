@@ -144,6 +144,20 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert no_file.returncode != 0 and "nope.gin" in no_file.stderr.strip().splitlines()[-1]
 
 
+def test_evaluate_warns_of_a_macro_nothing_reads(tmp_path):
+    """docs/evaluation.md's trap: gin/eval/dapo_math.gin binds evaluate.temperature itself, so a --gin.TEMPERATURE
+    changes nothing; evaluate says so (the planner's check, gin_utils.gin_traps) before it starts."""
+    data = tmp_path / "aime.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}],
+                                "reward_model": {"ground_truth": "2"}}) + "\n")
+    out = _cli("portable_rl.evaluate", "--gin_file=gin/eval/dapo_math.gin", f"--gin.EVAL_DATA_PATH={data}",
+               f"--gin.CHECKPOINT={tmp_path / 'no_checkpoint'}", "--gin.TEMPERATURE=0.6")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and "checkpoint" in lines[-1] and "does not exist" in lines[-1], out.stderr
+    assert "warning: macro TEMPERATURE is bound but nothing reads it" in lines, out.stderr
+    assert not any(line.startswith("warning: macro") and "TEMPERATURE" not in line for line in lines), out.stderr
+
+
 def test_gin_search_paths_find_user_files(tmp_path, fresh_gin):
     (tmp_path / "mine.gin").write_text("include 'dapo_fp8.gin'\nTRAIN_STEPS = 11\n")
     gin_utils.parse_gin(["mine.gin"], ["RUN_DIR = 'r'"], [str(tmp_path)])

@@ -109,16 +109,16 @@ def test_unused_macro_and_length_reset_are_flagged():
     register_gin()
     files = ["gin/models/qwen2_5_7b.gin", "gin/engines/vllm.gin"]   # the trap: vllm.gin resets MAX_MODEL_LEN to 64
     gin_utils.parse_gin(files, ["MODEL_PATH = '/x'", "SEED = 0", "TEMPERATURE = 0.5"])
-    assert "TEMPERATURE" in plan_cli.unused_macros()
-    assert "MAX_MODEL_LEN" not in plan_cli.unused_macros()
-    resets = plan_cli.length_resets(files, [], gin_utils.default_search_paths())
+    assert "TEMPERATURE" in gin_utils.unused_macros()
+    assert "MAX_MODEL_LEN" not in gin_utils.unused_macros()
+    resets = gin_utils.length_resets(files, [], gin_utils.default_search_paths())
     assert len(resets) == 1 and resets[0].startswith("MAX_MODEL_LEN = 10240 (gin/models/qwen2_5_7b.gin) was reset to "
                                                      "64 by gin/engines/vllm.gin")
     # the other order, or a --gin binding that sets it last, is deliberate
-    assert plan_cli.length_resets(files[::-1], [], gin_utils.default_search_paths()) == []
-    assert plan_cli.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
+    assert gin_utils.length_resets(files[::-1], [], gin_utils.default_search_paths()) == []
+    assert gin_utils.length_resets(files, ["MAX_MODEL_LEN = 32"], gin_utils.default_search_paths()) == []
     # a recipe lowering what a file it includes set (MAX_RESPONSE_TOKENS 8192 of the model file → 3000)
-    assert plan_cli.length_resets(["gin/recipes/qwen2_5_coder_7b_sql_vllm_fp8.gin"], [],
+    assert gin_utils.length_resets(["gin/recipes/qwen2_5_coder_7b_sql_vllm_fp8.gin"], [],
                                   gin_utils.default_search_paths()) == []
 
 

@@ -13,10 +13,27 @@ import ast
 import fnmatch
 import importlib.util
 import os
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from portable_rl.errors import ConfigError
+
+
+def check_version(engine: str, version: str, supported: tuple[tuple[int, ...], tuple[int, ...]], fix: str) -> None:
+    """Raises ConfigError, in one line ending with `fix`, unless `version`'s release numbers lie in
+    `supported` = [lower, upper) (tuples compared as Python compares them: 0.5.23.post1 → (0, 5, 23) ≥ (0, 5, 23),
+    0.33.0 → (0, 33, 0) ≥ (0, 33)). The adapters' internals change between releases, so only tested ones run."""
+    (lo, hi), parts = supported, re.match(r"\d+(\.\d+)*", version)
+    release = tuple(int(p) for p in parts[0].split(".")) if parts else None
+    if release is None or not lo <= release < hi:
+        dotted = ".".join(map(str, lo))
+        tested = (f"{dotted}.x" if len(lo) == 2 else f"{dotted} or a later {lo[0]}.{lo[1]}.x") \
+            if hi == (lo[0], lo[1] + 1) else f"{dotted} up to {'.'.join(map(str, hi))}"
+        raise ConfigError(f"{engine} {version} is installed, but portable_rl's {engine} adapter is tested with "
+                          f"{tested} only; {fix}")
 
 
 class PackageSource:

@@ -73,7 +73,8 @@ from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, Sampl
                                       named_tensor_pairs)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
-from portable_rl.engines.sglang_internals import FLASH_RL_ARCHITECTURES, RETURN_ORIGINAL_LOGPROB_ENV
+from portable_rl.engines.sglang_internals import (FLASH_RL_ARCHITECTURES, RETURN_ORIGINAL_LOGPROB_ENV,
+                                                check_sglang_version)
 from portable_rl.errors import ConfigError
 
 FP8_MODES = (None, "flash_rl", "blockwise")
@@ -206,6 +207,7 @@ class SGLangEngine(EngineAdapter):
         if engine_factory is None:
             import sglang
 
+            check_sglang_version(sglang.__version__)
             engine_factory = sglang.Engine
         self._engine = engine_factory(**kwargs)
 

@@ -21,6 +21,17 @@ from portable_rl.engines import canary
 from portable_rl.engines.canary import (Internal, PackageSource, Problem, class_fields, find_class, find_function,
                                         method_problem, names_used, parameters, string_constants)
 
+# [lower, upper): the releases the adapter is written against (0.5.23's source layout, tests/fixtures/
+# sglang_api_0.5.23.json); a later 0.5.x must pass the canaries and tests/sglang_api.py before the upper bound moves.
+SUPPORTED_SGLANG = ((0, 5, 23), (0, 6))
+
+
+def check_sglang_version(version: str) -> None:
+    """Raises ConfigError unless `version` lies in SUPPORTED_SGLANG (the one check vLLM's adapter makes too)."""
+    canary.check_version("SGLang", version, SUPPORTED_SGLANG, "pip install -r requirements/gpu-sglang.txt (or "
+                         "'sglang>=0.5.23,<0.6') in the SGLang environment")
+
+
 # The env var that makes SGLang's sampler return T=1 logprobs instead of the tempered ones (refused).
 RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 # The architectures whose `load_weights` carry the `supports_quantized_rl_reload` mark (the flash_rl loader

