@@ -63,6 +63,11 @@ def shared_segment(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Iterato
         entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
         end = offset + tensor.numel() * tensor.element_size()
     size = max(end, 1)
+    stat = os.statvfs(SHM_DIR)
+    if size > stat.f_bavail * stat.f_frsize:  # tmpfs allocates on write: past its limit the copy would SIGBUS
+        raise ConfigError(f"a push into a multi-process vLLM engine needs {size / 2**30:.2f} GiB in {SHM_DIR}, "
+                          f"which has {stat.f_bavail * stat.f_frsize / 2**30:.2f} GiB free; enlarge it (docker: "
+                          "--shm-size or --ipc=host) or start the engine in-process with tensor_parallel_size=1")
     segment = SharedMemory(create=True, size=size)  # a unique name, sized, tracked for cleanup on a crash
     segment.close()  # its own mapping is not needed: the tensors below map the segment themselves
     try:

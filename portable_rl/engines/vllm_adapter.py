@@ -28,9 +28,9 @@ in other processes (`in_process=False`: the engine core in its own process; tens
 process per worker), the adapter copies every tensor once into one POSIX shared-memory segment (RAM, never a
 file on disk; for GPU tensors this is the device-to-host copy) and sends only a manifest (segment name, and per
 tensor its name, dtype, shape and offset) through the same `collective_rpc`, to
-`portable_rl_reload_shared_weights`; each worker maps the segment, hands views of it to the same layerwise
-reload (a tensor-parallel worker's loaders copy only its shard) and unmaps it; the adapter then unlinks the
-segment (engines/shared_weights.py). A segment is visible on this host only, so workers on other hosts
+`portable_rl_reload_shared_weights`; each worker maps the segment and hands views of it to the same layerwise
+reload (a tensor-parallel worker's loaders copy only its shard); the adapter then unlinks the segment
+(engines/shared_weights.py). The segment holds the whole push: /dev/shm must have room for it. A segment is visible on this host only, so workers on other hosts
 (`nnodes > 1`, `distributed_executor_backend="ray"`) are refused at start.
 
 vLLM internals. Everything here beyond vLLM's public API (kernel patches, the layerwise reload, the reload
