@@ -10,6 +10,9 @@ back must give the reference again, token for token and logprob for logprob.
       box with one node the test splits this process's CPUs between the two workers (VLLM_CPU_OMP_THREADS_BIND).
   engine_core_process: in_process=False (VLLM_ENABLE_V1_MULTIPROCESSING=1), one worker in the engine-core
       process; the manifest crosses vLLM's msgpack RPC instead of its pickled message queue.
+
+Cost: two engine starts of multi-process vLLM (19 min in all on the 2-core box at load average ~19, where
+everything else ran ~10x slow too; a tensor-parallel-2 start alone took ~2 min at lower load).
 """
 
 import os
