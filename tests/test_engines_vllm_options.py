@@ -54,6 +54,11 @@ def test_llm_kwargs_defaults_overrides_and_refusals(monkeypatch):
         llm_kwargs("/ckpt", on_cpu=True, enable_sleep_mode=True)
     with pytest.raises(ValueError, match="rollout logprobs must be 'processed_logprobs'"):
         llm_kwargs("/ckpt", on_cpu=False, engine_init_kwargs={"logprobs_mode": "raw_logprobs"})
+    # a multi-process push goes through this host's shared memory: workers on other hosts are refused
+    assert llm_kwargs("/ckpt", on_cpu=False, engine_init_kwargs={"tensor_parallel_size": 2})["tensor_parallel_size"] == 2
+    for multi_host in ({"tensor_parallel_size": 16, "nnodes": 2}, {"distributed_executor_backend": "ray"}):
+        with pytest.raises(ConfigError, match="this host's shared memory"):
+            llm_kwargs("/ckpt", on_cpu=False, engine_init_kwargs=multi_host)
 
 
 def test_gin_exposes_enforce_eager():

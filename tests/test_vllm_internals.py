@@ -92,6 +92,10 @@ def test_imported_vllm_agrees_with_the_source_canaries():
     assert "reload_weights" not in vars(CPUModelRunner) and issubclass(CPUModelRunner, GPUModelRunner)
     assert layerwise.logger.name == vllm_internals._LAYERWISE
     assert set(vllm_internals.LLM_KWARGS) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    from vllm.config import ParallelConfig  # one worker: the same-process executor; two: a process each
+
+    assert ParallelConfig().distributed_executor_backend in vllm_internals.SAME_PROCESS_EXECUTORS
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend not in vllm_internals.SAME_PROCESS_EXECUTORS
 
 
 def test_llm_kwargs_passes_only_the_names_the_canary_checks():

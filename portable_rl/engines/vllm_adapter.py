@@ -22,6 +22,17 @@ started from (names and shapes, read from the safetensors headers) before touchi
 quantized engine re-quantizes from the pushed bf16 weights) and resets the prefix cache, whose KV entries
 were computed with the old weights.
 
+How the bytes move. In-process with one worker (`in_process=True`, tensor_parallel_size 1: vLLM's "uni"
+executor) the pairs reach the worker by reference: no copy before vLLM's weight loaders. When the workers live
+in other processes (`in_process=False`: the engine core in its own process; tensor_parallel_size > 1: one
+process per worker), the adapter copies every tensor once into one POSIX shared-memory segment (RAM, never a
+file on disk; for GPU tensors this is the device-to-host copy) and sends only a manifest (segment name, and per
+tensor its name, dtype, shape and offset) through the same `collective_rpc`, to
+`portable_rl_reload_shared_weights`; each worker maps the segment and hands views of it to the same layerwise
+reload (a tensor-parallel worker's loaders copy only its shard); the adapter then unlinks the segment
+(engines/shared_weights.py). The segment holds the whole push: /dev/shm must have room for it. A segment is visible on this host only, so workers on other hosts
+(`nnodes > 1`, `distributed_executor_backend="ray"`) are refused at start.
+
 vLLM internals. Everything here beyond vLLM's public API (kernel patches, the layerwise reload, the reload
 warning filter, teardown, resolved config) goes through engines/vllm_internals.py, which names the vLLM
 symbol each relies on and checks it against vLLM's source (`python -m portable_rl.engines.vllm_internals`).
@@ -86,6 +97,7 @@ from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tenso
 from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
                                               omp_threads_spin, prefer_passive_omp_waits)
 from portable_rl.engines.registry import register
+from portable_rl.engines.shared_weights import shared_segment
 from portable_rl.engines.vllm_moe import check_moe_quantization, is_moe_checkpoint, records_by_inputs
 from portable_rl.errors import ConfigError
 
@@ -214,6 +226,11 @@ def llm_kwargs(model: str, *, on_cpu: bool, engine_init_kwargs: dict[str, Any] |
     if return_routed_experts and on_cpu and not kwargs.get("enforce_eager"):
         raise ConfigError("return_routed_experts=True on vLLM-CPU captures the router in eager mode only; "
                           "leave enforce_eager at None or True")
+    if kwargs.get("nnodes", 1) > 1 or kwargs.get("distributed_executor_backend", "mp") not in ("mp", "uni"):
+        raise ConfigError(f"nnodes={kwargs.get('nnodes', 1)}, distributed_executor_backend="
+                          f"{kwargs.get('distributed_executor_backend')!r}: a push reaches vLLM's workers through "
+                          "this host's shared memory, so they must all run on it; use the 'mp' backend with "
+                          "nnodes=1 and scale out with more engines (engines.ray_fleet)")
     if kwargs.get("enable_sleep_mode") and on_cpu:
         raise ConfigError("enable_sleep_mode=True: vLLM-CPU has no sleep mode (it refuses to start); leave it "
                           "off on CPU, where sleep() and wake_up() pause and resume the scheduler")
@@ -258,8 +275,9 @@ class VLLMEngine(EngineAdapter):
         eager on CPU, vLLM's default (False) on GPU.
       dtype: the engine's weight and activation dtype; None: bfloat16 on GPU, on CPU bfloat16 or float32 by
         the CPU's bf16 instructions and the quantization (module doc, "Engine dtype").
-      in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so pushed
-        tensors pass by reference; False: a separate engine-core process, pushes serialized.
+      in_process: run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so with one
+        worker pushed tensors pass by reference; False: a separate engine-core process, pushed through shared
+        memory (module doc, "How the bytes move"), as with tensor_parallel_size > 1.
       validate_weights: check every pushed weight's name and shape against model_path's checkpoint before
         the engine sees it.
       enable_sleep_mode: start vLLM with its sleep allocator so `sleep()` frees GPU memory (GPU only;
@@ -326,6 +344,9 @@ class VLLMEngine(EngineAdapter):
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
         self.quantization = INT8 if int8 else vllm_internals.served_model_config(self._llm).quantization
         self._in_process = in_process
+        # one worker in this process: pushes pass by reference; else through shared memory (module doc)
+        self.pushes_by_reference = (in_process and vllm_internals.executor_backend(self._llm)
+                                    in vllm_internals.SAME_PROCESS_EXECUTORS)
         VLLMEngine._live += in_process
 
     # ----------------------------------------------------------------------------------------- rollouts
@@ -379,8 +400,9 @@ class VLLMEngine(EngineAdapter):
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Full sync from the flat `(hf_name, tensor)` pairs; one layerwise reload, then a prefix-cache reset.
 
-        vLLM's transport is in-process by reference, so its "bucket" is the whole push: the reload must see
-        every weight at once (vllm_worker.py), and holding the refs costs no copy."""
+        The "bucket" is the whole push: the reload must see every weight at once (vllm_worker.py). In-process
+        that holds only refs; a multi-process engine gets one shared-memory segment of all of them (module doc,
+        "How the bytes move")."""
         llm = self._require_llm()
         pairs = named_tensor_pairs(named_tensors)
         if self.quantization == INT8:  # float projections → int8 + weight_scale; the learner's int8 pass through
@@ -390,7 +412,11 @@ class VLLMEngine(EngineAdapter):
         pairs = list(pairs)  # zero-copy views stay views: only refs are held
         if self._validate:
             check_named_tensors(pairs, self._expected_shapes, self._optional_names)
-        llm.collective_rpc("portable_rl_reload_weights", kwargs={"weights": pairs})
+        if self.pushes_by_reference:
+            llm.collective_rpc("portable_rl_reload_weights", kwargs={"weights": pairs})
+        else:
+            with shared_segment(pairs) as manifest:  # unlinked once every worker has returned
+                llm.collective_rpc("portable_rl_reload_shared_weights", kwargs={"manifest": manifest})
         llm.reset_prefix_cache()
 
     # ----------------------------------------------------------------------------------------- lifecycle

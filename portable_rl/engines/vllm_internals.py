@@ -187,6 +187,18 @@ def served_model_config(llm):
     return llm.llm_engine.vllm_config.model_config
 
 
+# vLLM's executors that run the (single) worker in the engine core's own process (vllm.v1.executor.abstract)
+SAME_PROCESS_EXECUTORS = ("uni", "external_launcher")
+
+
+def executor_backend(llm) -> str:
+    """The executor vLLM resolved for `llm` ("uni": one worker in the engine core's process; "mp": one process
+    per worker; "ray"; "external_launcher"): `distributed_executor_backend`, or its default for the parallel
+    sizes."""
+    backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", str(backend))
+
+
 def in_process_model_runner(llm):
     """The model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), for tests that read the
     served weights directly."""
@@ -377,6 +389,24 @@ def _check_env_vars(src):
     return f"vllm/envs.py no longer reads {sorted(missing)}" if missing else None
 
 
+def _check_executor_backend(src):
+    missing = {"distributed_executor_backend", "nnodes"} - class_fields(find_class(src.tree("vllm.config.parallel"),
+                                                                                   "ParallelConfig"))
+    if missing:
+        return f"ParallelConfig lost field(s) {sorted(missing)}"
+    missing = {"distributed_executor_backend", "nnodes"} - class_fields(find_class(src.tree("vllm.engine.arg_utils"),
+                                                                                   "EngineArgs"))
+    if missing:
+        return f"EngineArgs lost field(s) {sorted(missing)} (the adapter reads them from engine_init_kwargs)"
+    get_class = find_function(find_class(src.tree("vllm.v1.executor.abstract"), "Executor"), "get_class")
+    if get_class is None:
+        return "vllm.v1.executor.abstract.Executor.get_class is gone"
+    if not set(SAME_PROCESS_EXECUTORS) <= string_constants(get_class) or "UniProcExecutor" not in names_used(get_class):
+        return (f"Executor.get_class no longer maps {SAME_PROCESS_EXECUTORS} to UniProcExecutor (the adapter would "
+                "pass tensors by reference to a worker in another process)")
+    return _has_attrs(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__", ["vllm_config"])
+
+
 def _check_model_runner_path(src):
     return _first(
         _has_attrs(src, "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "_init_executor", ["driver_worker"]),
@@ -454,6 +484,12 @@ INTERNALS: tuple[Internal, ...] = (
              "portable_rl/engines/vllm_adapter.py:llm_kwargs", _check_llm_kwargs),
     Internal("env_vars", "vllm.envs", f"reads {', '.join(ENV_VARS)}",
              "portable_rl/engines/vllm_adapter.py:set_vllm_environment", _check_env_vars),
+    Internal("executor_backend", "vllm.config.parallel.ParallelConfig.distributed_executor_backend",
+             f"after start, {SAME_PROCESS_EXECUTORS} mean the worker runs in the engine core's process "
+             "(UniProcExecutor), anything else ('mp', 'ray') workers in processes of their own, which a push "
+             "reaches through shared memory (tests/test_engines_vllm_multiprocess.py); nnodes > 1 and 'ray' "
+             "are refused (EngineArgs fields)", "portable_rl/engines/vllm_internals.py:executor_backend",
+             _check_executor_backend),
     Internal("in_process_model_runner", "vllm.v1.executor.uniproc_executor.UniProcExecutor.driver_worker.worker",
              "an in-process engine's runner at llm_engine.engine_core.engine_core.model_executor.driver_worker"
              ".worker.model_runner (tests only)", "portable_rl/engines/vllm_internals.py:in_process_model_runner",

@@ -1,8 +1,11 @@
 """vLLM worker extension: the weight-sync entry point inside each vLLM worker, and its CPU kernel patches.
 
 vLLM mixes this class into its Worker (`LLM(worker_extension_cls=...)`), and the adapter reaches it with
-`llm.collective_rpc("portable_rl_reload_weights", kwargs=...)`. In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-the tensors arrive by reference, so nothing is copied before vLLM's own weight loaders run.
+`llm.collective_rpc("portable_rl_reload_weights", kwargs=...)`. In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+and one worker) the tensors arrive by reference, so nothing is copied before vLLM's own weight loaders run.
+A worker in another process gets `portable_rl_reload_shared_weights` with a shared-memory manifest instead
+(engines/shared_weights.py): it maps the adapter's segment and reloads from views of it, again no copy before
+the loaders.
 
 The reload is vLLM's layerwise one (`vllm_internals.reload_weights_layerwise`): each layer is restored to its
 checkpoint-format parameters, the weight loaders fill it (fusing q/k/v and gate/up), and once a layer is
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from portable_rl.engines import vllm_internals, vllm_moe
+from portable_rl.engines import shared_weights, vllm_internals, vllm_moe
 
 
 class PortableRLWorkerExtension:
@@ -48,3 +51,7 @@ class PortableRLWorkerExtension:
         weights = list(weights)
         vllm_internals.reload_weights_layerwise(self, weights)
         return len(weights)
+
+    def portable_rl_reload_shared_weights(self, manifest: dict) -> int:
+        """`portable_rl_reload_weights` on views of the adapter's shared-memory segment (shared_weights.py)."""
+        return self.portable_rl_reload_weights(shared_weights.shared_tensors(manifest))
