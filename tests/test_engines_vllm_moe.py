@@ -252,3 +252,34 @@ def test_a_changed_router_hook_fails_in_one_line(monkeypatch):
     with pytest.raises(RuntimeError, match=r"vLLM 0\.32.*BaseRouter\.set_capture_fn") as e:
         check_vllm_symbols()
     assert "\n" not in str(e.value)
+
+
+def test_learner_quantized_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
+    """The learner quantizes the experts itself (int8 + per-channel scale, routers float), the adapter passes them
+    through, and the engine serves exactly what a fresh INT8 engine on the same weights serves (the weights are
+    on the bf16 grid, so the learner's bf16 cast before quantizing changes nothing)."""
+    import jax.numpy as jnp
+
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.rl.sync import push_weights
+
+    int8 = {"quantization": "int8_per_channel"}
+    new = {n: t.bfloat16().float() for n, t in perturbed_tensors(checkpoint_tensors(ckpt), seed=5).items()}
+    pushed_path = write_checkpoint_like(ckpt, tmp_path / "pushed", new)
+    model, config = load_hf_model(pushed_path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    sent = dict(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+    assert sent["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.int8
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale" in sent
+    assert sent["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router: float
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as engine:
+        before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+        push_weights(engine, model, config)
+        pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
+    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
+        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+    assert pushed_tokens == fresh_tokens
+    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)
