@@ -6,7 +6,7 @@ The model and optimizer are built with `nnx.eval_shape` (bf16 params; `with_mast
 keeps f32 master params and f32 AdamW moments), every leaf is a `jax.ShapeDtypeStruct` carrying its fsdp
 `NamedSharding` (`learner_jax/sharding.py`), the batch is `ShapeDtypeStruct`s split by rows over the mesh,
 and each jitted function of one update is `lower(...).compile()`d for a mesh of host CPU devices
-(`--xla_force_host_platform_device_count=--fsdp`, set below before JAX starts). Per compiled function f,
+(`--xla_force_host_platform_device_count=--fsdp x --expert`, set below before JAX starts). Per compiled function f,
 `f.memory_analysis()` gives per-device bytes of its arguments, outputs, the outputs aliased onto donated
 arguments, and its temporaries (one block: XLA's buffer assignment packs every intermediate, its reuse
 included, into it):
@@ -38,6 +38,14 @@ compiled function's numbers, the knobs, compile_seconds.
     python -m benchmarks.learner_memory --model qwen3_8b --tokens_per_device 32768 --fsdp 8 --path new --json
     python -m benchmarks.learner_memory --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
     python -m benchmarks.learner_memory --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
+    python -m benchmarks.learner_memory --model qwen3_30b_a3b --tokens_per_device 16384 --fsdp 8 --expert 1 \
+        --extrapolate --json     (an MoE model: the experts split over fsdp x expert; the planner's 1- and
+                                  2-layer compiles extrapolated to the full depth, each in a fresh process)
+
+Mixture-of-experts models compile as they run: every expert's weights are parameters (and optimizer state),
+split over the `expert` axis (E dimension) and the `fsdp` axis (hidden dimension), while the attention, the
+embedding and the head split over fsdp alone (replicated over expert). `--extrapolate` uses the planner's
+`predict_peak_in_subprocess` (cached like the planner's answers); without it every layer is compiled.
 
 Caveat: the compiled program is XLA:CPU's, not XLA:GPU's. Both partition the same way (GSPMD) and
 assign buffers with the same liveness analysis, but fusion and scheduling differ (e.g. how early
@@ -50,14 +58,18 @@ docs/scaling.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
-from portable_rl.planning.learner_peak import predict_update_memory
+from portable_rl.planning.learner_peak import PeakRequest, predict_peak_in_subprocess, predict_update_memory
 
-# Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub); `qwen2_1b` the GPU check's model;
-# `tiny` for smoke tests.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "portable_rl" / "planning" / "configs"
+
+# Published config.json values (Qwen/Qwen3-8B, Qwen/Qwen2.5-7B on the HF hub, Qwen/Qwen3-30B-A3B as the planner
+# ships it); `qwen2_1b` the GPU check's model; `tiny` / `tiny_moe` for smoke tests.
 MODELS = {
     "qwen3_8b": {
         "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
@@ -82,6 +94,13 @@ MODELS = {
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
         "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
     },
+    "tiny_moe": {
+        "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+    },
+    "qwen3_30b_a3b": json.loads((SHIPPED_CONFIGS / "qwen3-30b-a3b.json").read_text()),
 }
 GB = 1e9
 
@@ -90,7 +109,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3_8b", choices=sorted(MODELS))
     p.add_argument("--tokens_per_device", type=int, default=32768)
-    p.add_argument("--fsdp", type=int, default=8, help="fsdp mesh size = number of host devices")
+    p.add_argument("--fsdp", type=int, default=8, help="fsdp mesh size")
+    p.add_argument("--expert", type=int, default=1,
+                   help="expert mesh size (MoE models; divides the expert count); host devices = fsdp x expert")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="compile 1 and 2 layers (each in a fresh process) and extrapolate, as the planner does")
     p.add_argument("--path", default="new", choices=("new", "old", "both"))
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (same widths)")
     p.add_argument("--remat", default="full", help="new path: remat policy (learner_jax/memory.py)")
@@ -111,7 +134,7 @@ def parse_args(argv=None):
                         "device, where gathered weights dominate, higher at 32k, where activations do)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)
-    for name in ("tokens_per_device", "fsdp", "chunk_tokens", "segment_tokens"):
+    for name in ("tokens_per_device", "fsdp", "expert", "chunk_tokens", "segment_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     seq = args.seq_len or args.tokens_per_device
@@ -147,10 +170,43 @@ def measure(path: str, config, mesh, args) -> dict:
                                  micro_batches=args.tokens_per_device // (rows * seq))
 
 
+def extrapolated(args) -> list[dict]:
+    """The planner's 1- and 2-layer compiles extrapolated to the model's depth, for each path."""
+    hf = dict(MODELS[args.model])
+    if args.layers is not None:
+        hf["num_hidden_layers"] = args.layers
+    rows = []
+    for path in ("old", "new") if args.path == "both" else (args.path,):
+        memory, (r, seq) = path_memory(path, args)
+        request = PeakRequest(hf_config=hf, mesh=(1, args.fsdp, args.expert, 1), memory=dataclasses.asdict(memory),
+                              rows=r, row_tokens=seq, micro_batches=args.tokens_per_device // (r * seq))
+        rows.append((path, hf["num_hidden_layers"], predict_peak_in_subprocess(request)))
+    return rows
+
+
+def report(args, path, layers, result, extra):
+    row = {"model": args.model, "layers": layers, "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp,
+           "expert": args.expert, "path": path, **result, **extra}
+    if args.json:
+        print(json.dumps(row), flush=True)
+    else:
+        print(f"{args.model} L={layers} {args.tokens_per_device} tokens/device fsdp={args.fsdp} expert={args.expert} "
+              f"{path}: peak {row['peak_bytes_per_device'] / GB:.2f} GB/device ({row['peak_function']}: "
+              f"params {row['params_bytes'] / GB:.2f} + optimizer {row['optimizer_bytes'] / GB:.2f} + "
+              f"temp {row['temp_bytes'] / GB:.2f} GB), compile {row['compile_seconds']:.1f} s", flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.extrapolate:
+        import jax
+
+        for path, layers, result in extrapolated(args):
+            report(args, path, layers, result, {"jax": jax.__version__, "backend": "cpu"})
+        return
+    devices = args.fsdp * args.expert
     # Host devices must be requested before JAX initialises its CPU backend.
-    flags = f" --xla_force_host_platform_device_count={args.fsdp}"
+    flags = f" --xla_force_host_platform_device_count={devices}"
     if args.cpu_scheduler == "memory":
         flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
@@ -160,29 +216,20 @@ def main(argv=None):
     from portable_rl.learner_jax.config import ModelConfig
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
 
-    if len(jax.devices()) < args.fsdp:
-        sys.exit(f"JAX sees {len(jax.devices())} devices, need --fsdp={args.fsdp}; run this script in a fresh "
-                 f"process (XLA_FLAGS is set before JAX starts)")
+    if len(jax.devices()) < devices:
+        sys.exit(f"JAX sees {len(jax.devices())} devices, need --fsdp x --expert = {devices}; run this script in a "
+                 f"fresh process (XLA_FLAGS is set before JAX starts)")
     hf = dict(MODELS[args.model])
     if args.layers is not None:
         hf["num_hidden_layers"] = args.layers
     config = ModelConfig.from_hf_dict(hf)
-    mesh = make_mesh(MeshConfig(fsdp=args.fsdp), devices=jax.devices()[:args.fsdp])
+    mesh = make_mesh(MeshConfig(fsdp=args.fsdp, expert=args.expert), devices=jax.devices()[:devices])
     paths = ("old", "new") if args.path == "both" else (args.path,)
     for path in paths:
         with jax.set_mesh(mesh):  # the model pins activations' rows to it (sharding.constrain_batch_rows)
             result = measure(path, config, mesh, args)
-        row = {"model": args.model, "layers": config.num_hidden_layers,
-               "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp, "path": path, **result,
-               "jax": jax.__version__, "backend": jax.default_backend()}
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
-            print(f"{args.model} L={config.num_hidden_layers} {args.tokens_per_device} tokens/device "
-                  f"fsdp={args.fsdp} "
-                  f"{path}: peak {row['peak_bytes_per_device'] / GB:.2f} GB/device ({row['peak_function']}: "
-                  f"params {row['params_bytes'] / GB:.2f} + optimizer {row['optimizer_bytes'] / GB:.2f} + "
-                  f"temp {row['temp_bytes'] / GB:.2f} GB), compile {row['compile_seconds']:.1f} s", flush=True)
+        report(args, path, config.num_hidden_layers, result,
+               {"jax": jax.__version__, "backend": jax.default_backend()})
 
 
 if __name__ == "__main__":

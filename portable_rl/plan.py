@@ -36,7 +36,7 @@ from typing import Mapping, Optional
 
 from portable_rl import gin_utils
 from portable_rl.errors import ConfigError, UserError
-from portable_rl.planning.engine import EngineSettings, engine_memory
+from portable_rl.planning.engine import EngineSettings, active_param_count, engine_memory
 from portable_rl.planning.gpus import gpu_memory_gb
 from portable_rl.planning.learner_peak import PeakRequest, predict_peak_in_subprocess
 
@@ -137,7 +137,10 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     overhead_gb, asleep_gb, reserve_gb = costs.engine_overhead_gb, costs.engine_asleep_gb, costs.reserve_gb
     batch_seqs = algorithm.data.prompt_batch_size * gen.n_samples
 
-    lines.append(f"model    {model_source}: {em.params / 1e9:.2f} B params, {hf['num_hidden_layers']} layers, "
+    active = active_param_count(hf)
+    moe = (f" ({active / 1e9:.2f} B active: top-{hf['num_experts_per_tok']} of "
+           f"{hf.get('num_experts', hf.get('num_local_experts'))} experts)" if active != em.params else "")
+    lines.append(f"model    {model_source}: {em.params / 1e9:.2f} B params{moe}, {hf['num_hidden_layers']} layers, "
                  f"hidden {hf['hidden_size']}, vocab {hf['vocab_size']}")
     lines.append(f"hardware {gpus} x {device_gb:.1f} GB")
     lines.append(f"learner  mesh data={mesh[0]} fsdp={mesh[1]} expert={mesh[2]} tensor={mesh[3]} over {learner_devices} device(s); "
@@ -160,7 +163,8 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
                  f"generation batch ({batch_seqs} x {max_len}) {batch_seqs * max_len * em.kv_per_token / GB:.1f} GB; "
                  f"activation reserve {overhead_gb:.1f} GB")
 
-    data = {"gpus": gpus, "device_gb": device_gb, "mesh": list(mesh), "learner": {
+    data = {"gpus": gpus, "device_gb": device_gb, "mesh": list(mesh), "params": em.params, "active_params": active,
+            "learner": {
         "peak_gb": peak / GB, "state_gb": state / GB, "grad_accumulator_gb": grads / GB, "temp_gb": temp_part / GB,
         "micro_batch": [rows, row_tokens, micro], "compile": how},
         "engine": {"name": engine.name, "quantization": engine.quantization, "tensor_parallel": em.tensor_parallel,

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.checkpoint import safetensors_files  # noqa: E402
+from portable_rl.engines.vllm_moe import cpu_serves_int8_experts  # noqa: E402
 from portable_rl.errors import ConfigError  # noqa: E402
 from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
 
@@ -140,6 +141,18 @@ def test_fp8_moe_is_refused_on_cpu_at_start_naming_what_works(ckpt):
     assert "\n" not in str(e.value)
 
 
+NEEDS_AMX = pytest.mark.skipif(not cpu_serves_int8_experts(), reason="vLLM-CPU's INT8 MoE kernel needs AMX")
+
+
+def test_int8_moe_without_amx_is_refused_at_start_in_one_line(ckpt):
+    if cpu_serves_int8_experts():
+        pytest.skip("this CPU has AMX: vLLM-CPU serves INT8 experts")
+    with pytest.raises(ConfigError, match="only on x86 CPUs with AMX") as e:
+        create_engine("vllm", model_path=ckpt, engine_init_kwargs={"quantization": "int8_per_channel"})
+    assert "\n" not in str(e.value)
+
+
+@NEEDS_AMX
 def test_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
     """INT8 W8A8 with int8 experts (vLLM's CPU int8 MoE kernel) and an unquantized router: a float push is
     quantized by the adapter and served exactly as a fresh INT8 engine on the same weights serves it."""
@@ -252,3 +265,35 @@ def test_a_changed_router_hook_fails_in_one_line(monkeypatch):
     with pytest.raises(RuntimeError, match=r"vLLM 0\.32.*BaseRouter\.set_capture_fn") as e:
         check_vllm_symbols()
     assert "\n" not in str(e.value)
+
+
+@NEEDS_AMX
+def test_learner_quantized_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
+    """The learner quantizes the experts itself (int8 + per-channel scale, routers float), the adapter passes them
+    through, and the engine serves exactly what a fresh INT8 engine on the same weights serves (the weights are
+    on the bf16 grid, so the learner's bf16 cast before quantizing changes nothing)."""
+    import jax.numpy as jnp
+
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.rl.sync import push_weights
+
+    int8 = {"quantization": "int8_per_channel"}
+    new = {n: t.bfloat16().float() for n, t in perturbed_tensors(checkpoint_tensors(ckpt), seed=5).items()}
+    pushed_path = write_checkpoint_like(ckpt, tmp_path / "pushed", new)
+    model, config = load_hf_model(pushed_path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    sent = dict(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+    assert sent["model.layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.int8
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale" in sent
+    assert sent["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router: float
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as engine:
+        before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+        push_weights(engine, model, config)
+        pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
+    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs=int8,
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
+        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+    assert pushed_tokens == fresh_tokens
+    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)

@@ -257,3 +257,30 @@ def test_followers_run_the_drivers_forwards(quantization, monkeypatch):
         calls.clear()
     # the probe, then one wrapped call: staleness's forward, and with a modelled quantizer the quantized one too
     assert [q for _, q in driver_calls] == [False, True]
+
+
+@pytest.mark.parametrize("quantization", ["fp8_per_channel", "int8_per_channel"])
+def test_moe_experts_are_served_quantized_and_routers_are_not(quantization):
+    """A tiny Qwen3-MoE: the quantized copy holds Q(W) for every stacked expert array (per expert and output
+    channel: the same as quantizing each expert alone) and the learner's own routers; the split's quantized
+    forward moves the logprobs."""
+    from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
+
+    config = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    model = Transformer(config, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    copy = with_quantized_projections(model, quantization)
+    served = SERVED_WEIGHTS[quantization]
+    experts = [p for p in projection_paths(config) if "experts" in p]
+    assert len(experts) == 3 * config.num_hidden_layers
+    for path in experts:
+        w, q = get_param(model, path)[...], np.asarray(get_param(copy, path)[...])
+        assert w.shape == (config.num_experts,) + w.shape[1:] and not np.array_equal(q, np.asarray(w))
+        for e in range(config.num_experts):
+            np.testing.assert_array_equal(q[e], np.asarray(served(w[e])))
+    for i in range(config.num_hidden_layers):
+        router = ("layers", i, "mlp", "router", "kernel")
+        assert get_param(copy, router)[...] is get_param(model, router)[...]
+    ids = jnp.asarray([[1, 5, 6, 7, 30, 31]], jnp.int32)
+    assert not np.allclose(np.asarray(model(ids)), np.asarray(copy(ids)))

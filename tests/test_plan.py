@@ -36,6 +36,7 @@ GPU_RECIPES = {
     "qwen3_8b_base_dapo_math_sglang_fp8.gin": (8, "h200", "qwen3-8b-base", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.62"}),
     "qwen2_5_32b_dapo_math_vllm_int8.gin": (16, "h100", "qwen2.5-32b", {}),
     "qwen2_5_coder_7b_sql_vllm_fp8.gin": (8, "h100", "qwen2.5-7b", {}),
+    "qwen3_30b_a3b_dapo_vllm_fp8.gin": (16, "h200", "qwen3-30b-a3b", {}),
 }
 NOT_GPU_LAUNCHES = {
     "dapo_seed_settings.gin": "a fragment (algorithm settings)",
@@ -57,7 +58,8 @@ def clean_gin():
 def test_engine_sizes_match_published_parameter_counts():
     published = {"qwen2.5-0.5b-instruct": 494_032_768, "qwen2.5-1.5b-instruct": 1_543_714_304,
                  "qwen2.5-7b": 7_615_616_512, "qwen2.5-32b": 32_763_876_352,
-                 "llama-3.1-8b-instruct": 8_030_261_248, "qwen3-8b-base": 8_190_735_360}
+                 "llama-3.1-8b-instruct": 8_030_261_248, "qwen3-8b-base": 8_190_735_360,
+                 "qwen3-30b-a3b": 30_532_122_624}
     for name, count in published.items():
         assert sum(param_counts(json.loads((CONFIGS / f"{name}.json").read_text()))) == count, name
     c = json.loads((CONFIGS / "qwen2.5-7b.json").read_text())
@@ -178,6 +180,67 @@ def doc_commands() -> list[tuple[str, dict, list[str]]]:
             if recipe in GPU_RECIPES:
                 out.append((f"{path.relative_to(ROOT)}: {recipe}", env, argv))
     return out
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("qwen3_moe", dict(mlp_only_layers=[1])), ("qwen2_moe", dict(decoder_sparse_step=2)), ("qwen3_moe", {})])
+def test_moe_total_and_active_params_match_transformers(family, extra):
+    """Every expert counted in the total (transformers' own count of a tiny random model), K of E in the
+    active count; dense layers (mlp_only_layers, decoder_sparse_step) keep their dense MLP."""
+    import torch
+    import transformers
+
+    from portable_rl.planning.engine import active_param_count
+
+    c = {"model_type": family, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 96, "num_experts": 6,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 20, "shared_expert_intermediate_size": 24,
+         "tie_word_embeddings": False, **extra}
+    cls = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM}[family]
+    hf_config = transformers.AutoConfig.for_model(**c)
+    with torch.device("meta"):
+        hf_model = cls(hf_config)
+    hf_total = sum(p.numel() for p in hf_model.parameters())
+    proj, rest = param_counts(c)
+    assert proj + rest == hf_total
+    sparse = sum(hasattr(layer.mlp, "experts") for layer in hf_model.model.layers)
+    assert sparse == (3 if not extra else 2 if "mlp_only_layers" in extra else 1)
+    assert active_param_count(c) == hf_total - sparse * 3 * 32 * 20 * (6 - 2)
+    published = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
+    assert active_param_count(published) == 3_353_032_704  # "3.3 B activated" (Qwen3 technical report)
+
+
+def test_ragged_dot_stand_in_equals_equal_groups_and_is_linear_in_memory():
+    """The planner's CPU stand-in for the GPU's ragged dot (planning/ragged_dot.py): the values and both
+    gradients of `jax.lax.ragged_dot` when every group holds M / G rows; temporaries linear in the rows, where
+    XLA:CPU's own lowering holds every group's copy; JAX's own lowering again after the context."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from portable_rl.planning.ragged_dot import grouped_matmul_stand_in
+
+    def loss(x, w, sizes):
+        return jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)))
+
+    x, w = jax.random.normal(jax.random.key(0), (12, 5)), jax.random.normal(jax.random.key(1), (4, 5, 3))
+    equal, unequal = jnp.full((4,), 3, jnp.int32), jnp.asarray([1, 6, 0, 5], jnp.int32)
+    reference = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, equal)
+    with grouped_matmul_stand_in():
+        stand_in = jax.jit(jax.value_and_grad(lambda *a: loss(*a) + 0.0, argnums=(0, 1)))(x, w, equal)
+        rows, weights, sizes = (jax.ShapeDtypeStruct((8192, 256), jnp.bfloat16),
+                                jax.ShapeDtypeStruct((64, 256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64,), jnp.int32))
+        grad = jax.jit(jax.grad(lambda *a: loss(*a) * 1.0, argnums=(0, 1)))
+        linear = grad.lower(rows, weights, sizes).compile().memory_analysis().temp_size_in_bytes
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(stand_in)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    dense = jax.jit(jax.grad(lambda *a: loss(*a) * 2.0, argnums=(0, 1))).lower(
+        rows, weights, sizes).compile().memory_analysis().temp_size_in_bytes
+    assert linear < 8192 * 128 * 4 * 8 < dense  # a few [M, N] f32 buffers vs G = 64 copies
+    after = jax.jit(lambda *a: loss(*a) * 3.0)(x, w, unequal)  # JAX's own lowering: exact for unequal groups
+    starts = np.cumsum([0, 1, 6, 0])
+    exact = sum(np.sin(np.asarray(x[s:s + n] @ w[g])).sum() for g, (s, n) in enumerate(zip(starts, [1, 6, 0, 5])))
+    np.testing.assert_allclose(float(after), 3.0 * exact, rtol=1e-5)
 
 
 def plan_argv(recipe: str, extra=()) -> tuple[list[str], dict]:

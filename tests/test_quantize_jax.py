@@ -119,3 +119,43 @@ def test_e2m1_rounds_to_nearest_ties_to_even():
     x = jnp.asarray([0.24, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.1, 7.0, -0.75, -5.0, 0.0])
     assert np.asarray(round_to_e2m1(x)).tolist() == [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0,
                                                      -1.0, -4.0, 0.0]
+
+
+def test_moe_export_quantizes_every_expert_as_the_engine_and_keeps_routers_float(tmp_path):
+    """INT8 push of a tiny Qwen3-MoE: each expert's int8 + scale is the engine's torch formula on that expert's
+    bf16 matrix (the stack is quantized once, per expert and channel), the routers stay float, and the names and
+    shapes are the INT8 start checkpoint's."""
+    from portable_rl.convert.hf import load_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.engines.checkpoint import read_checkpoint_shapes
+    from portable_rl.engines.quantize import is_quantized_weight, write_int8_checkpoint
+    from portable_rl.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
+    model, config = load_hf_model(src, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    bf16 = dict(iter_hf_tensors(model, config))
+    int8 = dict(iter_hf_tensors(model, config, quantization="int8_per_channel"))
+    assert {n: tuple(t.shape) for n, t in int8.items()} == read_checkpoint_shapes(
+        write_int8_checkpoint(src, str(tmp_path / "int8")))
+    experts = [n for n in bf16 if ".mlp.experts." in n]
+    assert len(experts) == 3 * config.num_experts * config.num_hidden_layers
+    for name in experts:
+        assert is_quantized_weight(name) and int8[name].dtype == torch.int8
+        q, scale = torch_int8(bf16[name].float())
+        assert torch.equal(int8[name], q) and torch.equal(int8[name.removesuffix("weight") + "weight_scale"], scale)
+    routers = [n for n in bf16 if n.endswith(".mlp.gate.weight")]
+    assert routers and all(not is_quantized_weight(n) and torch.equal(int8[n], bf16[n]) for n in routers)
+
+
+def test_moe_export_names_the_expert_holding_nan(tmp_path):
+    from portable_rl.convert.hf import get_param, load_hf_model
+    from portable_rl.convert.to_torch import iter_hf_tensors
+    from portable_rl.testing import make_tiny_checkpoint
+
+    model, config = load_hf_model(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe"), param_dtype=jnp.float32,
+                                  compute_dtype=jnp.float32)
+    param = get_param(model, ("layers", 1, "mlp", "experts", "up_proj"))
+    param[...] = param[...].at[2, 0, 0].set(jnp.inf)
+    with pytest.raises(NonFiniteWeightError, match=r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight holds NaN"):
+        for _ in iter_hf_tensors(model, config, quantization="int8_per_channel"):
+            pass

@@ -166,3 +166,38 @@ def test_bf16_params_are_measured_through_the_optimizers_masters():
     got, wrong = tracker.measure(learner_weights(model, optimizer)), params_only.measure(model)
     assert got["sync/bf16_changed_frac"] < 0.05 and got["sync/update_lost_frac"] > 0.9
     assert wrong["sync/update_lost_frac"] == 0.0  # Δ = 0 on the params: the misreading the masters avoid
+
+
+MOE_CONFIG = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("quantization", ["fp8_per_channel", "int8_per_channel"])
+def test_moe_experts_are_tracked_and_the_router_is_not(quantization):
+    """The stacked experts [E, in, out] are tracked like the dense projections (per-channel, per expert); a
+    step that moves only the router reaches no tracked weight."""
+    from portable_rl.convert.hf import get_param
+    from portable_rl.rl.update_survival import projection_paths
+
+    paths = projection_paths(MOE_CONFIG)
+    assert ("layers", 0, "mlp", "experts", "gate_proj") in paths and len(paths) == len(set(paths)) == 2 * (4 + 3)
+    assert not any("router" in p for p in paths)
+    model = Transformer(MOE_CONFIG, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    tracker = UpdateSurvival(MOE_CONFIG, quantization, channel_stride=1)
+    tracker.measure(model)
+    graphdef, state = nnx.split(model)
+
+    def moved(select):  # +50 % on the selected parameters only
+        return nnx.merge(graphdef, nnx.map_state(lambda path, x: x * 1.5 if select(path) else x, state))
+
+    router_only = tracker.measure(moved(lambda path: "router" in path))
+    assert router_only["sync/quantized_changed_frac"] == 0.0 and router_only["sync/bf16_changed_frac"] == 0.0
+    tracker.measure(model)
+    experts_only = tracker.measure(moved(lambda path: "experts" in path))
+    sizes = {p: get_param(model, p)[...].size for p in paths}
+    experts = sum(n for p, n in sizes.items() if "experts" in p)
+    # the served expert weights moved (all but int8's zeros, whose channel scale moved with them), nothing else
+    share = experts / sum(sizes.values())
+    assert 0.95 * share < experts_only["sync/quantized_changed_frac"] <= share * (1 + 1e-6)
+    assert experts_only["sync/update_lost_frac"] < 0.05

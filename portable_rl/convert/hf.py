@@ -42,6 +42,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _quantize_int8 = jax.jit(quantize_int8_per_channel)
+
+
+@jax.jit
+def _quantize_int8_rows(stack):
+    """[E, in, out] → (Q [E, in, out] int8, s [E, out] f32, finite [E] bool): each expert on its own (the scales
+    are per output channel of each expert; not a vmap, under which XLA rounds the divisions differently)."""
+    q, scale, _ = quantize_int8_per_channel(stack)
+    return q, scale, jnp.all(jnp.isfinite(stack.astype(jnp.float32)), axis=(-2, -1))
+
+
 LEARNER_QUANTIZED = ("int8_per_channel",)  # engine schemes whose weights the learner quantizes before the push
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -170,10 +180,12 @@ def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", 
                   smoothing=None) -> Iterator[tuple[str, jax.Array, bool]]:
     """What a push sends, lazily: (HF name, array in the NNX layout, transpose to the HF layout?).
 
-    `quantization="int8_per_channel"`: each decoder projection is quantized here, on the learner's devices
-    and before the gather (`learner_jax.quantize.quantize_int8_per_channel` of its `dtype` cast), and sent
-    as int8 `weight` + f32 `weight_scale` [out, 1], the engine's checkpoint format: half the bytes of bf16.
-    A projection holding NaN or inf raises `NonFiniteWeightError` before it is yielded. `smoothing`
+    `quantization="int8_per_channel"`: each decoder projection and each MoE expert (`engines.quantize.
+    is_quantized_weight`; routers stay float) is quantized here, on the learner's devices and before the gather
+    (`learner_jax.quantize.quantize_int8_per_channel` of its `dtype` cast), and sent as int8 `weight` + f32
+    `weight_scale` [out, 1], the engine's checkpoint format: half the bytes of bf16. A stacked expert array
+    [E, in, out] is quantized once (per-channel scales never mix experts) and each expert's row gets its slice.
+    A weight holding NaN or inf raises `NonFiniteWeightError` before it is yielded. `smoothing`
     (`convert.smoothing.Smoothing`, INT8 only) rescales norms and projections first. Every learner process
     runs this in the same order (the gathers are collectives, rl/sync.py)."""
     if quantization not in (None, *LEARNER_QUANTIZED):
@@ -181,17 +193,29 @@ def export_arrays(model: Transformer, config: ModelConfig, *, dtype="bfloat16", 
     if smoothing is not None and quantization is None:
         raise ValueError("SmoothQuant smoothing only makes sense for a W8A8 push (quantization='int8_per_channel')")
     if quantization is not None:
-        from portable_rl.engines.quantize import NonFiniteWeightError, int8_scale_name, is_quantized_projection
+        from portable_rl.engines.quantize import NonFiniteWeightError, int8_scale_name, is_quantized_weight
     dtype = _DTYPES[_dtype_name(dtype)]
-    for m, value in _mapped_values(model, config):
-        if smoothing is not None:
-            value = smoothing.apply(m.hf_name, value)
-        value = value if value.dtype == dtype else value.astype(dtype)
-        if quantization is None or not is_quantized_projection(m.hf_name):
+    stacked = (None, None)  # (nnx path, its quantized stack): the experts of one array arrive consecutively
+    for m in param_mappings(config):
+        if quantization is None or not is_quantized_weight(m.hf_name):
+            value = get_param(model, m.nnx_path)[...]
+            value = value if m.expert is None else value[m.expert]
+            if smoothing is not None:
+                value = smoothing.apply(m.hf_name, value)
+            value = value if value.dtype == dtype else value.astype(dtype)
             yield m.hf_name, gather_for_export(value), m.transpose
             continue
-        q, scale, finite = _quantize_int8(value)  # q [in, out] int8, scale [out] f32
-        if not bool(finite):
+        if m.expert is None:
+            value = get_param(model, m.nnx_path)[...]
+            if smoothing is not None:
+                value = smoothing.apply(m.hf_name, value)
+            q, scale, finite = _quantize_int8(value if value.dtype == dtype else value.astype(dtype))
+        else:  # an expert's row: its slice of the stack, quantized once for every expert
+            if stacked[0] != m.nnx_path:
+                value = get_param(model, m.nnx_path)[...]
+                stacked = (m.nnx_path, _quantize_int8_rows(value if value.dtype == dtype else value.astype(dtype)))
+            q, scale, finite = (x[m.expert] for x in stacked[1])
+        if not bool(finite):  # q [in, out] int8, scale [out] f32
             raise NonFiniteWeightError(f"{m.hf_name} holds NaN or inf (the learner diverged?); lower the learning "
                                        "rate or resume from an earlier checkpoint; nothing was loaded")
         yield m.hf_name, gather_for_export(q), m.transpose

@@ -29,11 +29,13 @@ from portable_rl.errors import UserError
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
+# The dense decoder projections (`Linear` modules in the learner).
 QUANTIZED_PROJECTIONS = re.compile(
     r"\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
-# MoE experts (Qwen3-MoE / Qwen2-MoE per-expert HF names, and Qwen2-MoE's shared expert), served INT8 by the
-# engine; the routers (`mlp.gate`, `mlp.shared_expert_gate`) stay unquantized (`int8_quantization_config`).
-INT8_EXPERT_PROJECTIONS = re.compile(r"\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
+# MoE experts (Qwen3-MoE / Qwen2-MoE per-expert HF names, and Qwen2-MoE's shared expert): an 8-bit engine serves
+# them quantized like the dense projections; the routers (`mlp.gate`, `mlp.shared_expert_gate`) stay unquantized
+# (an 8-bit router would move tokens to other experts; `int8_quantization_config`).
+QUANTIZED_EXPERTS = re.compile(r"\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$")
 
 
 def quantize_blockwise_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK
@@ -62,7 +64,14 @@ def dequantize_blockwise_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tu
 
 
 def is_quantized_projection(name: str) -> bool:
+    """A dense decoder projection (q/k/v/o, gate/up/down of a dense MLP)."""
     return QUANTIZED_PROJECTIONS.search(name) is not None
+
+
+def is_quantized_weight(name: str) -> bool:
+    """A weight 8-bit schemes serve quantized: the dense decoder projections and the MoE experts (never a
+    router, an embedding, lm_head, a norm or a bias)."""
+    return is_quantized_projection(name) or QUANTIZED_EXPERTS.search(name) is not None
 
 
 def quantize_named_tensors_blockwise(pairs: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = BLOCK
@@ -119,16 +128,11 @@ def quantize_int8_per_channel(weight: torch.Tensor, name: str = "weight") -> tup
     return q, scale
 
 
-def is_int8_weight(name: str) -> bool:
-    """The weights an INT8 W8A8 engine serves in int8: the decoder projections and the MoE experts."""
-    return is_quantized_projection(name) or INT8_EXPERT_PROJECTIONS.search(name) is not None
-
-
 def quantize_named_tensors_int8(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs → float projections and experts as (name, int8) + (name_scale, f32 [out, 1]); the
     rest, and weights already int8 (quantized by the learner), unchanged."""
     for name, tensor in pairs:
-        if is_int8_weight(name) and tensor.is_floating_point():
+        if is_quantized_weight(name) and tensor.is_floating_point():
             q, scale = quantize_int8_per_channel(tensor, name)
             yield name, q
             yield int8_scale_name(name), scale
@@ -334,6 +338,7 @@ def fake_quantize(weight: torch.Tensor, scheme: str) -> torch.Tensor:
 
 def fake_quantize_named_tensors(pairs: Iterable[tuple[str, torch.Tensor]], scheme: str
                                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs → the decoder projections fake-quantized with `scheme`; the rest unchanged."""
+    """HF (name, tensor) pairs → the decoder projections and experts fake-quantized with `scheme`; the rest
+    unchanged."""
     for name, tensor in pairs:
-        yield name, (fake_quantize(tensor, scheme) if is_quantized_projection(name) else tensor)
+        yield name, (fake_quantize(tensor, scheme) if is_quantized_weight(name) else tensor)

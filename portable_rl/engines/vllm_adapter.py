@@ -169,7 +169,7 @@ def _log_cpu_dtype_once(dtype: str, why: str) -> None:
 def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> str:
     """The INT8 W8A8 checkpoint to start on: `model_path` if it is one, else its copy under `root` (written
     once). Refuses projection shapes GPU INT8 GEMMs cannot take before anything is written."""
-    from portable_rl.engines.quantize import ensure_int8_checkpoint, is_int8_checkpoint, is_int8_weight
+    from portable_rl.engines.quantize import ensure_int8_checkpoint, is_int8_checkpoint, is_quantized_weight
 
     if is_int8_checkpoint(model_path):
         return model_path
@@ -179,7 +179,7 @@ def _int8_start_checkpoint(model_path: str, root: str | None, on_cpu: bool) -> s
                               f"{model_path} is already quantized another way: start from its bf16 original")
     if not on_cpu:  # CUTLASS int8 GEMMs need both dims of every weight in multiples of 16 (CPU kernels: any)
         odd = [f"{n} {s}" for n, s in read_checkpoint_shapes(model_path).items()
-               if is_int8_weight(n) and (s[0] % 16 or s[1] % 16)]
+               if is_quantized_weight(n) and (s[0] % 16 or s[1] % 16)]
         if odd:
             raise ConfigError(f"quantization='int8_per_channel': {odd[0]} (and {len(odd) - 1} more) is not a "
                               "multiple of 16 in both dims, which GPU INT8 GEMMs need; use FP8 for this model")

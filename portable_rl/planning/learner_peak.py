@@ -11,6 +11,10 @@ devices. Per function f, `f.memory_analysis()` gives per-device argument, output
     peak     = max over the functions f of one update of live(f)
     persistent state = params + optimizer state (+ the gradient accumulator with > 1 micro-batch)
 
+Mixture-of-experts models: every expert's weights and optimizer state are counted (all are resident, split over
+the `expert` and `fsdp` axes), and the expert matmuls are compiled as the GPU's ragged dot rather than
+XLA:CPU's dense fallback, which would hold every expert's copy of the rows (planning/ragged_dot.py).
+
 Nothing is allocated: an 8B model "fits" a laptop. The compile is XLA:CPU's. GSPMD partitions and buffer
 liveness are the same machinery as XLA:GPU's, but XLA:CPU upcasts some bf16 dots to f32 and schedules
 differently: read the numbers as an upper-side estimate of the GPU's (docs/scaling.md, "Learner memory").
@@ -44,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from portable_rl.planning.ragged_dot import grouped_matmul_stand_in
 
 EXTRAPOLATION_MARGIN = 0.25   # added to the extrapolated temp bytes (module doc)
 COMPILED_LAYERS = (1, 2)
@@ -82,9 +88,10 @@ class PeakRequest:
 
 
 def code_digest() -> str:
-    """sha256 of the learner's source: learner_jax/, rl/learner.py and this module."""
+    """sha256 of the learner's source: learner_jax/, rl/learner.py, this module and the ragged-dot stand-in."""
     root = Path(__file__).resolve().parent.parent
-    files = sorted((root / "learner_jax").glob("*.py")) + [root / "rl" / "learner.py", Path(__file__).resolve()]
+    files = sorted((root / "learner_jax").glob("*.py")) + [root / "rl" / "learner.py", Path(__file__).resolve(),
+                                                           root / "planning" / "ragged_dot.py"]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
@@ -220,7 +227,8 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
                  apply_step=step_lib.make_apply_step())
     grad_sum = None if micro_batches == 1 else jax.tree.map(  # step.zero_grads, abstractly
         lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), nnx.state(model, nnx.Param))
-    out = compile_update(steps, model, optimizer, batch, grad_sum)
+    with grouped_matmul_stand_in():  # MoE: the GPU's ragged dot, not XLA:CPU's dense one (planning/ragged_dot.py)
+        out = compile_update(steps, model, optimizer, batch, grad_sum)
     out.update(micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
                knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
                       "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,

@@ -7,11 +7,11 @@ compares, per response token y_t ~ π_engine,
     e_t = log π_engine(y_t)            the engine: Q(bf16(θ_k)) in its own kernels
     probe/kl = K(a − e),    K(d) = mean_t (exp(d_t) − 1 − d_t)    (the probe's k3 estimator, `compare_logprobs`)
 
-The split scores the same rows once more with the learner, its decoder projections (q/k/v/o, gate/up/down:
-the matrices the engine quantizes) replaced by the engine's weight quantizer applied to them; embeddings,
-lm_head, norms and biases stay as the learner has them, as the engine keeps them in bf16:
+The split scores the same rows once more with the learner, its decoder projections (q/k/v/o, gate/up/down)
+and MoE experts (the matrices the engine quantizes) replaced by the engine's weight quantizer applied to them;
+embeddings, lm_head, norms, biases and MoE routers stay as the learner has them, as the engine keeps them in bf16:
 
-    q_t = log π_θk[W ← Q(W) for every projection W](y_t)
+    q_t = log π_θk[W ← Q(W) for every projection and expert W](y_t)
 
     mismatch/quantization = K(a − q)    what the engine's weight quantization changes, alone
     mismatch/kernels      = K(q − e)    the rest, with the same weights: bf16 vs the learner's compute dtype,
@@ -74,8 +74,8 @@ MODELLED = (None, *WEIGHT_QUANTIZERS)
 
 
 def with_quantized_projections(model, quantization: str):
-    """A copy of `model` whose decoder projection kernels are Q(W), in their own dtype and sharding; every
-    other parameter is the model's own array (shared, not copied). `model` is not changed."""
+    """A copy of `model` whose decoder projection and expert kernels are Q(W), in their own dtype and sharding;
+    every other parameter is the model's own array (shared, not copied). `model` is not changed."""
     paths = projection_paths(model.config)
     graphdef, state = nnx.split(model)
     quantized_model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables, the same arrays

@@ -2,10 +2,11 @@
 (rl/mismatch_split.py) and of the matched-precision learner (`rl.PrecisionConfig.learner_precision = 'engine'`,
 rl/learner.py).
 
-The engine serves, for every decoder projection kernel W (q/k/v/o, gate/up/down), Q(S(W)): the push's SmoothQuant
+The engine serves, for every decoder projection kernel W (q/k/v/o, gate/up/down) and every MoE expert's (the
+stacked [E, in, out] arrays; per-channel scales never mix experts), Q(S(W)): the push's SmoothQuant
 rescaling S when it carries factors (`convert.smoothing`; norms are rescaled too), then the engine's weight
 quantizer Q (`learner_jax.quantize.SERVED_WEIGHTS`: its `quantization` → Q; None: the bf16 rounding of the push).
-Embeddings, lm_head, norms and biases stay as the learner has them.
+Embeddings, lm_head, norms, biases and MoE routers stay as the learner has them.
 
     straight_through=False   W ← Q(S(W))                                           (scoring; no gradient)
     straight_through=True    W ← S(W) + stop_gradient(Q(S(W)) − S(W))              (the learner's loss)

@@ -36,8 +36,8 @@ this tracker does not model.
 W is what the optimizer steps: the model's params, or, with bf16 params and fp32 masters
 (`optim.with_master_weights`), the masters (`learner_weights`); the bf16 params are already Q's first stage.
 
-Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down;
-the matrices engines quantize). A per-channel scale needs only its own channel, so the subset is exact for
+Tracked entries: every `channel_stride`-th output channel of each decoder projection (q/k/v/o, gate/up/down)
+and of each MoE expert's (the matrices engines quantize; the routers stay float). A per-channel scale needs only its own channel, so the subset is exact for
 those channels; the tracker keeps their previous and starting fp32 values (8 / channel_stride bytes per
 projection parameter, sharded like the params; the starting ones also after a resume). Every process runs
 it: the subset copies (stacked by shape), then one jitted function of them.
@@ -57,7 +57,7 @@ import numpy as np
 
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
-from portable_rl.engines.quantize import is_quantized_projection
+from portable_rl.engines.quantize import is_quantized_weight
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS, served_bf16
 from portable_rl.learner_jax.optim import MasterWeightsState
 
@@ -74,8 +74,11 @@ def learner_weights(model, optimizer=None):
 
 
 def projection_paths(model_config) -> list[tuple]:
-    """NNX paths of the decoder projections (q/k/v/o, gate/up/down kernels): the matrices engines quantize."""
-    return [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
+    """NNX paths of the matrices engines quantize (`engines.quantize.is_quantized_weight`): the decoder
+    projections (q/k/v/o, gate/up/down kernels [in, out]) and, in MoE layers, the stacked experts [E, in, out]
+    (one path for all E experts; the routers are not among them)."""
+    paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_weight(m.hf_name)]
+    return list(dict.fromkeys(paths))
 
 
 def _stage_metrics(served, new, old):
@@ -107,13 +110,13 @@ def _metrics(new, old, first, quantization):
 
 
 def _subset(kernels, stride: int):
-    """The tracked channels, stacked by shape: [n, in, C/stride] per distinct kernel shape (SmolLM2's 210
+    """The tracked channels, stacked by shape: [n, (E,) in, C/stride] per distinct kernel shape (SmolLM2's 210
     projections are 4 stacks), so the jitted metrics are a few large ops (its compile: 15-17 s for one op per
     matrix). Always a copy: the learner's step donates the params' buffers."""
     by_shape: dict[tuple, list] = {}
     for k in kernels:
         by_shape.setdefault(tuple(k.shape), []).append(k)
-    return [jnp.stack([jnp.asarray(k[:, ::stride], jnp.float32) for k in group]) for group in by_shape.values()]
+    return [jnp.stack([jnp.asarray(k[..., ::stride], jnp.float32) for k in group]) for group in by_shape.values()]
 
 
 class UpdateSurvival:
