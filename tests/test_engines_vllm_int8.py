@@ -6,8 +6,9 @@ the engine serves exactly what a fresh engine started from the same weights serv
 tokens, sampled logprobs equal to 1e-6), also after pushing twice with allocations in between, which is
 what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_internals.py keeping_int8_handler_scale: without the patch the
 kernel reads a freed scale; `test_without_the_patch_a_reload_serves_garbage` shows the test would see it).
-Engines cost tens of seconds to start: one from the bf16 checkpoint, on oneDNN, serves the whole module; only
-the push test's reference (a fresh engine on the moved weights) and its AMX arm start their own.
+Engines cost tens of seconds to start: one from the bf16 checkpoint, on oneDNN, serves the module; only the
+push test's reference (a fresh engine on the moved weights), its AMX arm and the unpatched-reload test start
+their own.
 """
 
 import contextlib
@@ -102,7 +103,7 @@ def int8_root(tmp_path_factory):
 def engine(amx_refused, smollm2, int8_root):
     """One INT8 engine started from the bf16 checkpoint, on oneDNN, shared by the module (each start costs
     tens of seconds). Every test leaves it serving the checkpoint's weights, except the push test, which
-    comes after the others that use it."""
+    comes after the others that use it; the unpatched-reload test breaks its engine, so it starts its own."""
     with _engine(smollm2, int8_root) as engine:
         yield engine
 
@@ -148,22 +149,24 @@ def test_bad_pushes_are_refused_and_leave_the_engine_serving(engine, learner):
     _assert_same_service(_serve(engine), before)
 
 
-def test_without_the_patch_a_reload_serves_garbage(engine, amx_refused, learner, monkeypatch):
-    """The test below can fail: with vLLM's own oneDNN processing the reloaded kernels read freed scales."""
-    cpu, _ = amx_refused
-    start, config = learner  # the checkpoint's weights: what the module's engine serves here
-    before = _serve(engine)
+def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, monkeypatch):
+    """The test below can fail: with vLLM's own oneDNN processing the reloaded kernels read freed scales.
+    Its own engine: a patched reload does not mend one broken this way."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    start, config = learner
+    monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
     K = cpu.CPUInt8ScaledMMLinearKernel
+    vllm_internals.install_cpu_patches()  # once per process: the engine below then leaves vLLM's original in place
     monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
-    for _ in range(2):
-        engine.update_weights(iter_hf_tensors(start, config))  # the SAME weights twice
-        junk = _allocate_over_freed_scales()
-    after = _serve(engine)
-    del junk
+    with _engine(smollm2, tmp_path) as engine:
+        before = _serve(engine)
+        for _ in range(2):
+            engine.update_weights(iter_hf_tensors(start, config))  # the SAME weights twice
+            junk = _allocate_over_freed_scales()
+        after = _serve(engine)
+        del junk
     assert after[0] != before[0]
-    monkeypatch.undo()  # the patched reload mends it: the engine serves the checkpoint's weights again
-    engine.update_weights(iter_hf_tensors(start, config))
-    _assert_same_service(_serve(engine), before)
 
 
 def test_push_serves_what_a_fresh_engine_serves(kernel_path, request, smollm2, moved, tmp_path):
