@@ -19,11 +19,13 @@ import tempfile
 
 import pytest
 
-# Files by their time in one process on a 2-core Zen 3 box, 2026-12-02 (docs/experiments/test_suite_time.md;
-# 248 s down to 76 s); every other file takes under a minute and keeps pytest's order after these.
-SLOWEST_FIRST = ("test_smollm2_recipe.py", "test_train_async_faults.py", "test_multihost.py",
-                 "test_benchmarks_smoke.py", "test_bad_input.py", "test_train_e2e.py", "test_engines_ray.py",
-                 "test_smollm2.py", "test_attention.py", "test_multihost_launch.py")
+# Files by their time under the README's command on a 2-core Intel AMX box, 2026-12-07 (448 s down to 102 s),
+# then the earlier Zen 3 ranking's other files (docs/experiments/test_suite_time.md); every other file takes
+# under a minute and keeps pytest's order after these.
+SLOWEST_FIRST = ("test_engines_vllm_int8.py", "test_sql_recipe.py", "test_benchmarks_smoke.py",
+                 "test_train_async_faults.py", "test_train_e2e.py", "test_multihost.py", "test_smollm2_recipe.py",
+                 "test_moe.py", "test_gradient_fidelity.py", "test_learner_step.py", "test_bad_input.py",
+                 "test_engines_ray.py", "test_smollm2.py", "test_attention.py", "test_multihost_launch.py")
 # Files that call ray.init: one Ray cluster at a time, so one work unit.
 RAY_FILES = ("test_engines_ray.py", "test_engines_contract.py")
 
@@ -77,7 +79,7 @@ def pytest_xdist_make_scheduler(config, log):
     return file_scheduler({name: "ray" for name in RAY_FILES})(config, log)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The real SmolLM2-135M-Instruct as an HF bf16 checkpoint: the repository's converted copy when a complete
     one is there (`python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct`), else a fresh

@@ -13,7 +13,6 @@ Plus fast checks (no engines): shard arithmetic, the byte packing of pushed tens
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -218,29 +217,36 @@ def test_push_reaches_every_engine(fleet, learner):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, learner):
+def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, learner, monkeypatch):
+    import psutil  # a vLLM dependency
+
     model, config = learner
     push(fleet, perturbed(model, seed=2), config)
-    started = time.monotonic()
     undisturbed = fleet.generate(LONG_PROMPTS, LONG_SAMPLING)
-    duration = time.monotonic() - started  # kill a third of the way in, however fast this box is
     assert tokens(undisturbed) != tokens(fleet.checkpoint_long_rollouts)  # pushed weights matter here
     pids = engine_pids(fleet)
     restarts = fleet.restarts
-    killed_at = []
+    killed_in_flight = []  # per kill: engine 1's generate had not returned yet
+    gather = fleet._gather
 
-    def kill_engine_1():
-        time.sleep(duration / 3)
+    def gather_after_killing_engine_1(calls):
+        # The calls are out; the kill lands once engine 1 is generating (its process has spent 0.1 s of CPU
+        # since) and before the fleet collects the results: mid-call however loaded the box is.
+        process, call_ref = psutil.Process(pids[1]), calls[1][1]
+        cpu_before = sum(process.cpu_times()[:2])
+        in_flight = True
+        while in_flight and sum(process.cpu_times()[:2]) - cpu_before < 0.1:
+            time.sleep(0.01)
+            in_flight = not ray.wait([call_ref], timeout=0)[0]
+        killed_in_flight.append(in_flight)
         os.kill(pids[1], signal.SIGKILL)
-        killed_at.append(time.monotonic())
+        return gather(calls)
 
-    killer = threading.Thread(target=kill_engine_1)
-    killer.start()
+    monkeypatch.setattr(fleet, "_gather", gather_after_killing_engine_1)
     with pytest.warns(UserWarning, match="engine 1 died during generate"):
         rollouts = fleet.generate(LONG_PROMPTS, LONG_SAMPLING)
-    returned_at = time.monotonic()
-    killer.join()
-    assert killed_at and killed_at[0] < returned_at  # the engine died while the call was in flight
+    monkeypatch.undo()
+    assert killed_in_flight == [True]  # the engine died while its call was in flight
     assert fleet.restarts == restarts + 1
     new_pids = engine_pids(fleet)
     assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
