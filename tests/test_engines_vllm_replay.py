@@ -47,7 +47,8 @@ def test_replayed_routing_gives_the_engines_logprobs_under_a_perturbed_router(tm
         for layer in model.layers:  # the perturbation: the learner's router no longer is the engine's
             kernel = layer.mlp.router.kernel
             kernel[...] = kernel[...] + ROUTER_NOISE * rng.standard_normal(kernel.shape).astype(np.float32)
-        alg = dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=2, max_response_tokens=8)
+        alg = dapo_config(prompt_batch_size=3, mini_batch_size=3, n_samples=2, max_response_tokens=8,
+                          old_logprobs_from_update=False)  # prepare scores every token
         return Learner(model, nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param), alg,
                        tis.RolloutCorrectionConfig(mode="none"), routing=routing, compare_routing=compare_routing)
 
