@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.rl.config import EnvironmentConfig, PrecisionConfig, RunConfig
 from portable_rl.rl.dapo import DapoConfig
@@ -108,7 +109,7 @@ def build_run(*, run: RunConfig, algorithm: DapoConfig, correction: RolloutCorre
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # Before the restore below, so a checkpoint lands directly in the sharded layout.
     learner = Learner(model, optimizer, algorithm, correction, mesh=make_mesh(mesh) if mesh is not None else None,
-                      memory=memory)
+                      memory=memory, routing=precision.routing, compare_routing=precision.compare_routing)
     survival = None
     if diagnostics.enabled("update_survival"):  # its reference is the starting checkpoint, taken before a restore
         from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
@@ -218,6 +219,10 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
             serving = Serving(quantization, smoothquant_for_run(
                 precision.smoothquant_alpha, model=state.model, codec=codec, task=task, run_dir=run.run_dir,
                 engine_quantization=quantization, procs=procs))
+            if precision.engine_routing and not procs.broadcast(getattr(engine, "returns_routed_experts", False)):
+                raise ConfigError(f"rl.PrecisionConfig.routing={precision.routing!r} needs the engine's routing but "
+                                  f"{type(engine).__name__} does not return it; start a vLLM engine with "
+                                  "return_routed_experts=True (gin/recipes/tiny_moe_replay.gin), or set routing='own'")
             if precision.learner_precision == "engine":  # every process: its forwards use the served weights
                 state.learner.serve_weights_as(serving.quantization, serving.smoothing)
         except BaseException:
@@ -229,6 +234,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
                 engine=engine, serving=serving, writer=MetricsWriter(run.run_dir, resume_step=state.start_step or -1),
                 codec=codec, task=task, reward_fn=reward_fn, cfg=algorithm, seed=run.seed, held_out=held_out,
                 async_rollouts=run.async_rollouts, procs=procs, environment=environment,
+                return_routed_experts=precision.engine_routing,
                 greedy=SamplingConfig(temperature=0.0, n=1, max_tokens=run.eval_max_tokens or gen.max_response_tokens,
                                       stop_token_ids=(codec.eos_id,)))
         else:  # receives the driver's batches and joins every collective

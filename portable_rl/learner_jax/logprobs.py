@@ -172,7 +172,7 @@ def chunked_token_logprobs(head, hidden, targets, temperature=1.0, *, chunk_toke
 
 def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float = 1.0, *,
                       segment_ids=None, positions=None, chunk_tokens: int | None = None, sampling_support=None,
-                      return_routing=False):
+                      routed_experts=None, return_routing=False):
     """Per-token logprobs of a batch of sequences under `model`; both outputs [B, T] float32.
 
     Entry t is log p(input_ids[:, t] | input_ids[:, :t]) and entropy[:, t] is the entropy of that
@@ -185,13 +185,15 @@ def sequence_logprobs(model, input_ids, attention_mask=None, temperature: float 
     it gets alone in a row. `chunk_tokens=C` computes the head over chunks of C tokens
     (`chunked_token_logprobs`, memory of one [C, V] chunk instead of [B, T-1, V]); None: all at once.
     `sampling_support` [B, T, K] (entry t: the support token t was sampled from, -1 = padding): logp
-    renormalised over it (module doc). `return_routing` (MoE models): also the sparse layers' `Routing`
+    renormalised over it (module doc). `routed_experts` [B, T, S, K] (MoE models, routing replay): the
+    experts each sparse layer routes each token to (-1: its own top-k; `Transformer.hidden_states`).
+    `return_routing` (MoE models): also the sparse layers' `Routing`
     (router logits, own top-k; `Transformer.hidden_states`), as a third output.
     """
     if chunk_tokens is not None:
         _check_chunk_tokens(chunk_tokens)       # before the forward pass, not after it
     hidden = model.hidden_states(input_ids, attention_mask, segment_ids=segment_ids, positions=positions,
-                                 return_routing=return_routing)             # [B, T, D]
+                                 routed_experts=routed_experts, return_routing=return_routing)             # [B, T, D]
     if return_routing:
         hidden, routing = hidden
     # The logits at t-1 predict token t; the last position predicts nothing, so it is dropped

@@ -339,7 +339,7 @@ class Transformer(nnx.Module):
         in a row: attention never crosses segments and RoPE sees its own positions.
 
         MoE models: `routed_experts` [B, T, S, K] int (S sparse layers, in layer order) replaces each
-        sparse layer's own top-k (routing replay, moe.py); `return_routing=True` returns
+        sparse layer's own top-k (routing replay, moe.py; a (token, layer) holding -1 keeps its own); `return_routing=True` returns
         `(hidden, Routing(logits [S, B·T, E] f32, experts [S, B·T, K] the routers' own top-k))`.
         """
         B, T = input_ids.shape
@@ -373,6 +373,9 @@ class Transformer(nnx.Module):
         hidden = self.final_norm(constrain_batch_rows(x))
         if not return_routing:
             return hidden
+        if routed_experts is not None and routed_experts.shape[2] != len(routings):
+            raise ConfigError(f"routed_experts has {routed_experts.shape[2]} layers but the model has {len(routings)} "
+                              "sparse (MoE) layers; replay the routing of an engine serving this same model")
         if not routings:
             raise ConfigError(f"return_routing=True needs a mixture-of-experts model; {self.config.family} is dense")
         return hidden, Routing(*(jnp.stack(parts) for parts in zip(*routings)))

@@ -21,9 +21,10 @@ the all-experts function Σ_e w_e · SwiGLU_e(x) (w_e = 0 off the top-k) up to f
 (tests/test_moe.py keeps that dense reference and checks the gradients against it).
 
 Routing replay: `forced_experts` [N, K] replaces the block's own top-k; the gate weights are still
-p gathered at those experts (renormalised if norm_topk_prob), so the router gets gradients. The
-block always returns its own top-k too, so agreement with a replayed routing can be measured; with
-forced = own top-k the output is bitwise the unforced one (the same gather).
+p gathered at those experts (renormalised if norm_topk_prob), so the router gets gradients. A row
+with a negative id (-1: the engine gave no routing for that token, e.g. padding) keeps the block's
+own top-k. The block always returns its own top-k too, so agreement with a replayed routing can be
+measured; with forced = own top-k the output is bitwise the unforced one (the same gather).
 
 Precision: the router's logits are float32 (compute-dtype inputs, float32 accumulation; transformers
 keeps them in the model dtype, which is the same thing in fp32), the softmax, top-k and w are float32
@@ -121,10 +122,14 @@ def grouped_swiglu(x, experts, weights, gate, up, down, *, first_expert, compute
 def route(logits, top_k: int, norm_topk_prob: bool, forced_experts=None):
     """Router logits [N, E] float32 -> (experts used [N, K] int32, gate weights w [N, K] float32,
     the router's own top-k [N, K] int32). `forced_experts` [N, K] (routing replay) replaces the own
-    top-k; w is p gathered at the experts used either way."""
+    top-k, except in rows holding a negative id (no replayed routing: own top-k); w is p gathered at the
+    experts used either way."""
     probs = jax.nn.softmax(logits, axis=-1)                               # [N, E] f32
     _, own = jax.lax.top_k(probs, top_k)                                  # [N, K]
-    experts = own if forced_experts is None else forced_experts.astype(own.dtype)
+    experts = own
+    if forced_experts is not None:
+        forced = forced_experts.astype(own.dtype)
+        experts = jnp.where(jnp.all(forced >= 0, axis=-1, keepdims=True), forced, own)
     weights = jnp.take_along_axis(probs, experts, axis=-1)                # [N, K] f32
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

@@ -29,6 +29,16 @@ for per-turn metrics (rl/learner.py). With truncated sampling
                                         padded with -1 to `support_width` (K; -1 everywhere off the
                                         response), [R, L, K] int32 (learner_jax/logprobs.py)
 
+and with routing replay (`routed_experts` given: per sequence the engine's `Rollout.routed_experts`
+[len_i - 1, S, K], engines/base.py "Routed experts")
+
+    routed_experts[r_i, s_i + t, l, :]  = the experts sparse layer l of the engine routed token t to, for
+                                          t < len_i - 1 (prompt, response and observation positions alike:
+                                          the engine returns them all); -1 at the last token and on padding,
+                                          where the learner keeps its own routing. [R, L, S, K] int16
+
+Every layout below moves it with its tokens (a shared prompt's positions carry its first member's).
+
 Three layouts:
     one per row (pack=False)   row i = sequence i from column 0; L = next power of two >= max len_i
                                (at least `min_len`); rows padded with empty rows to a multiple of
@@ -67,7 +77,7 @@ _ROW_DTYPES = dict(input_ids=np.int32, segment_ids=np.int32, positions=np.int32,
                    response_mask=np.float32, rollout_logprobs=np.float32, advantages=np.float32)
 
 
-_FILL = {"sampling_support": -1}  # padding value of a view array, where it is not 0
+_FILL = {"sampling_support": -1, "routed_experts": -1}  # padding value of a view array, where it is not 0
 
 
 class MicroBatchBudgetError(UserError, ValueError):
@@ -317,6 +327,21 @@ def _support_view(supports, prompt_ids, shape, width):
     return out
 
 
+def _routing_view(routed_experts, lengths, shape):
+    """[B, T, S, K] int16: each sequence's engine routing at its positions but the last, -1 elsewhere (module doc)."""
+    first = np.asarray(routed_experts[0])
+    out = np.full(shape + first.shape[1:], -1, np.int16)
+    for i, (routed, n) in enumerate(zip(routed_experts, lengths)):
+        if routed is None:
+            raise ValueError(f"sequence {i} has no routed_experts but others do: the engine must return them for "
+                             "every rollout (SamplingConfig.return_routed_experts)")
+        if routed.shape != (n - 1,) + first.shape[1:]:
+            raise ValueError(f"sequence {i}: routed_experts of shape {routed.shape}; expected "
+                             f"{(n - 1,) + first.shape[1:]} (one row per position but the last)")
+        out[i, :n - 1] = routed
+    return out
+
+
 def _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id, min_len, row_multiple,
                    response_masks=None, turn_indices=None):
     """The one-per-row arrays ([B, T], T a power of two) and the [N] lengths / prompt lengths."""
@@ -355,7 +380,7 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
                   response_logprobs: Sequence[Sequence[float]], advantages: Sequence[float], *,
                   pad_id: int = 0, min_len: int = 16, row_multiple: int = 1, pack: bool = False,
                   row_tokens: int | None = None, sampling_supports=None, support_width: int | None = None,
-                  response_masks=None, turn_indices=None) -> dict:
+                  response_masks=None, turn_indices=None, routed_experts=None) -> dict:
     """Returns the `ROW_KEYS` arrays and the `SEQ_KEYS` index: every value a numpy array (`num_rows(batch)`
     and `num_sequences(batch)` count rows holding a sequence and sequences).
 
@@ -365,13 +390,16 @@ def pack_rollouts(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Se
     `sampling_support` [R, L, K], K = `support_width` (default: the largest support; a fixed K, the
     sampling top_k, keeps the shape the learner compiles for the same from step to step).
     `response_masks` / `turn_indices` (multi-turn; per sequence a list per response token, or None: all
-    sampled, turn 0): the model-token mask and the `turn_index` view (module doc).
+    sampled, turn 0): the model-token mask and the `turn_index` view (module doc). `routed_experts` (per
+    sequence the engine's [len - 1, S, K] routing; routing replay) adds `routed_experts` [R, L, S, K].
     """
     view, lengths, prompt_len = _sequence_view(prompt_ids, response_ids, response_logprobs, advantages, pad_id,
                                                min_len, 1 if pack else row_multiple, response_masks, turn_indices)
     if sampling_supports is not None:
         width = support_width or max((len(s) for per in sampling_supports for s in per), default=1)
         view["sampling_support"] = _support_view(sampling_supports, prompt_ids, view["input_ids"].shape, width)
+    if routed_experts is not None:
+        view["routed_experts"] = _routing_view(routed_experts, lengths, view["input_ids"].shape)
     n = len(lengths)
     seq = np.arange(n)
     if pack:

@@ -28,6 +28,7 @@ POLICY_LOSS_MODES = ("decoupled", "bypass")
 DTYPES = ("float32", "bfloat16", "float16")
 DIAGNOSTICS = ("update_survival", "probe", "mismatch_split")  # rl/diagnostics.py, in the order the step runs them
 LEARNER_PRECISIONS = ("master", "engine")
+ROUTINGS = ("own", "replay")  # PrecisionConfig.routing
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,12 +87,26 @@ class PrecisionConfig:
         'engine': the weights the engine serves (its weight quantizer on the projections, straight-through
         gradients to the masters; rl/served_view.py), for fp8_per_channel, int8_per_channel, unquantized and
         fake-quant (fake_mxfp4, fake_nvfp4, fake_fp8_e4m3_tensor) engines; weights only (not W8A8's activations).
+      routing: mixture-of-experts policies. 'own': the learner's forwards route every token with their own
+        router's top-k. 'replay': the engine returns the experts it routed each position to and the learner's
+        forwards (old logprobs, PPO ratio, loss) use them, gate weights recomputed from the learner's router
+        (docs/training.md "Routing replay"); needs an engine started with return_routed_experts=True.
+      compare_routing: also score each step's rollouts under the other routing (one extra forward-only pass)
+        and report moe/routing_agreement and tis/kl_own_routing (replay) or tis/kl_replayed_routing (own; the
+        engine is then asked for its routing too). None: True with routing='replay', False with 'own'.
     """
     param_dtype: str = "float32"
     master_dtype: Optional[str] = "float32"
     compute_dtype: str = "bfloat16"
     smoothquant_alpha: Optional[float] = None
     learner_precision: str = "master"
+    routing: str = "own"
+    compare_routing: Optional[bool] = None
+
+    @property
+    def engine_routing(self) -> bool:
+        """True when the engine must return its routed experts (replay, or a comparison with it)."""
+        return self.routing == "replay" or bool(self.compare_routing)
 
     def __post_init__(self):
         for name in ("param_dtype", "master_dtype", "compute_dtype"):
@@ -102,6 +117,8 @@ class PrecisionConfig:
             raise ConfigError(f"smoothquant_alpha={self.smoothquant_alpha} must be in [0, 1] (or None: off)")
         if self.learner_precision not in LEARNER_PRECISIONS:
             raise ConfigError(f"learner_precision={self.learner_precision!r}; use one of {LEARNER_PRECISIONS}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing={self.routing!r}; use one of {ROUTINGS}")
         if self.learner_precision == "engine" and self.smoothquant_alpha is not None:
             raise ConfigError(f"learner_precision='engine' does not emulate SmoothQuant (smoothquant_alpha="
                               f"{self.smoothquant_alpha}); set rl.PrecisionConfig.smoothquant_alpha = None")
@@ -144,13 +161,14 @@ class GenerationConfig:
         """True for top-k / top-p sampling: rollouts carry their sampling support."""
         return self.top_p != 1.0 or self.top_k != -1
 
-    def sampling(self, *, seed=None, stop_token_ids=()):
-        """The engines.base.SamplingConfig of a training rollout (truncated: with the support returned)."""
+    def sampling(self, *, seed=None, stop_token_ids=(), return_routed_experts=False):
+        """The engines.base.SamplingConfig of a training rollout (truncated: with the support returned;
+        `return_routed_experts`: with the engine's routing, `PrecisionConfig.engine_routing`)."""
         from portable_rl.engines.base import SamplingConfig
 
         return SamplingConfig(temperature=self.temperature, max_tokens=self.max_response_tokens, n=self.n_samples,
                               seed=seed, stop_token_ids=stop_token_ids, top_p=self.top_p, top_k=self.top_k,
-                              return_support=self.truncated)
+                              return_support=self.truncated, return_routed_experts=return_routed_experts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -95,12 +95,14 @@ def build_batch(cfg: DapoConfig, groups, pad_id: int) -> tuple[dict, dict]:
                              "return it (SamplingConfig.return_support)")
         supports = [r.sampling_support for r in rollouts]
     multi_turn = any(r.response_mask is not None for r in rollouts)  # else: every response token was sampled
+    routed = any(r.routed_experts is not None for r in rollouts)  # routing replay (rl.PrecisionConfig.routing)
     batch = pack_rollouts([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
                           [r.response_logprobs for r in rollouts], adv, pad_id=pad_id,
                           min_len=cfg.shapes.min_seq_bucket, row_multiple=cfg.rows_per_minibatch,
                           sampling_supports=supports, support_width=cfg.generation.top_k if supports else None,
                           response_masks=[r.response_mask for r in rollouts] if multi_turn else None,
-                          turn_indices=[r.turn_index for r in rollouts] if multi_turn else None)
+                          turn_indices=[r.turn_index for r in rollouts] if multi_turn else None,
+                          routed_experts=[r.routed_experts for r in rollouts] if routed else None)
     stats = {"reward/shaped_mean": float(shaped.mean()), "advantage/abs_mean": float(np.abs(adv).mean()),
              "batch/sequences": len(rollouts), "batch/seq_len_bucket": batch["input_ids"].shape[1]}
     return batch, stats

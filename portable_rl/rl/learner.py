@@ -62,6 +62,20 @@ above (old logprobs, the deferred mini-batch's, the loss) runs on `served_view.s
 projections as the engine serves them, with straight-through gradients to the masters in the loss. The default
 ('master') jits exactly the functions it did before.
 
+Routing replay (mixture-of-experts policies, `routing='replay'`, rl.PrecisionConfig.routing): the batch's
+`routed_experts` [N, T, S, K] (the engine's experts per position and sparse layer, -1: none; batching.py) travel
+in every micro-batch, and every forward above (old logprobs, the deferred mini-batch's, the loss) routes each
+token to them instead of its own top-k, gate weights from its own router (learner_jax/moe.py). With
+`compare_routing`, `prepare` also scores the step under the other routing, one forward-only pass, and reports
+
+    moe/routing_agreement    share of (token, layer) pairs, over the positions the engine routed, where the
+                             learner's own top-k set (its own-routing forward) equals the engine's
+    tis/kl_own_routing       tis/kl of the learner's own routing (with replay; tis/kl is the replayed one)
+    tis/kl_replayed_routing  tis/kl of the engine's routing replayed (without replay; tis/kl is the own one)
+
+With `routing='own'` and `compare_routing`, the first mini-batch is not deferred (its own-routing forward gives
+the agreement). The post-sync probe (`logprobs`) routes with the learner's own router.
+
 With a `mesh` (learner_jax/sharding.py) the model and optimizer state are sharded over it once, and
 every micro-batch is split by rows over ("data", "fsdp"); ω is global, so the sum over shards is the
 mini-batch loss. Batches come in and metrics / logprobs go out as host numpy arrays.
@@ -95,11 +109,14 @@ from portable_rl.rl.served_view import served_view
 
 _VIEW_KEYS = ("input_ids", "response_mask", "rollout_logprobs", "advantages")
 _SUPPORT = "sampling_support"  # [N, T, K] with truncated sampling (batching.pack_rollouts), else absent
+_ROUTED = "routed_experts"     # [N, T, S, K] the engine's routing (batching.pack_rollouts), else absent
+_FORWARD_KEYS = ("input_ids", "segment_ids", "positions", _SUPPORT)  # what a logprob forward reads (+ _ROUTED)
 
 
 def _view(batch: dict) -> dict:
-    """The per-sequence arrays the layouts move into rows: _VIEW_KEYS, and the sampling support if any."""
-    return {k: batch[k] for k in _VIEW_KEYS + ((_SUPPORT,) if _SUPPORT in batch else ())}
+    """The per-sequence arrays the layouts move into rows: _VIEW_KEYS, and the sampling support and the
+    engine's routing if any."""
+    return {k: batch[k] for k in _VIEW_KEYS + tuple(k for k in (_SUPPORT, _ROUTED) if k in batch)}
 
 
 def _sequences(layouts: list[batching.Layout]) -> np.ndarray:
@@ -115,10 +132,25 @@ _MAX_METRICS = ("ratio_max",)
 def row_logprobs(model, batch, temperature: float, chunk_tokens=None, return_routing=False):
     """(logp, entropy) [R, L] of rows that may pack several sequences (`segment_ids` / `positions`); with a
     `sampling_support` [R, L, K], logp is renormalised over each token's support (learner_jax/logprobs.py).
-    `return_routing`: (logp, entropy, the MoE layers' `Routing`)."""
+    `routed_experts` [R, L, S, K] in the batch: routing replay (learner_jax/moe.py). `return_routing`: (logp,
+    entropy, the MoE layers' `Routing`)."""
     return sequence_logprobs(model, batch["input_ids"], None, temperature, segment_ids=batch["segment_ids"],
                              positions=batch["positions"], chunk_tokens=chunk_tokens,
-                             sampling_support=batch.get(_SUPPORT), return_routing=return_routing)
+                             sampling_support=batch.get(_SUPPORT), routed_experts=batch.get(_ROUTED),
+                             return_routing=return_routing)
+
+
+def own_routing_scores(model, batch, engine_experts, temperature: float, chunk_tokens=None):
+    """The own-routing forward of rows (`batch` without routed_experts) and its agreement with the engine's
+    routing `engine_experts` [R, L, S, K] (-1: none) → (logp [R, L], agreeing (token, layer) pairs, pairs
+    compared): a pair agrees when the learner's own top-k set equals the engine's."""
+    logp, _, routing = row_logprobs(model, batch, temperature, chunk_tokens, return_routing=True)
+    own = routing.experts                                                            # [S, R·L, K]
+    S, N, K = own.shape
+    engine = jnp.swapaxes(engine_experts.reshape(N, S, K), 0, 1).astype(own.dtype)   # [S, R·L, K]
+    routed = jnp.all(engine >= 0, axis=-1) & (batch["segment_ids"].reshape(1, N) > 0)  # [S, R·L]
+    same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(engine, axis=-1), axis=-1)       # [S, R·L]
+    return logp, jnp.sum(same & routed), jnp.sum(routed)
 
 
 def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, model_view=None):
@@ -195,6 +227,8 @@ def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correctio
                                                               chunk_tokens=chunk_tokens)[0], graph_updates=False),
         row_logprobs=nnx.jit(lambda m, b: row_logprobs(on(m), b, temperature, chunk_tokens)[0],
                              graph_updates=False),
+        own_routing_scores=nnx.jit(lambda m, b, e: own_routing_scores(on(m), b, e, temperature, chunk_tokens),
+                                   graph_updates=False),
         train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
 
 
@@ -345,9 +379,11 @@ def _sequence_lengths(batch: dict, budget: int | None) -> np.ndarray:
 
 class Learner:
     def __init__(self, model, optimizer: nnx.Optimizer, cfg, correction: tis.RolloutCorrectionConfig, *,
-                 mesh: jax.sharding.Mesh | None = None, memory: MemoryConfig | None = None):
+                 mesh: jax.sharding.Mesh | None = None, memory: MemoryConfig | None = None, routing: str = "own",
+                 compare_routing: bool | None = None):
         """`mesh`: shard model + optimizer over it (in place) and run every step sharded; None: as is.
-        `memory`: layout of the micro-batches (`MemoryConfig`; attention_impl / remat belong to the model)."""
+        `memory`: layout of the micro-batches (`MemoryConfig`; attention_impl / remat belong to the model).
+        `routing`, `compare_routing`: MoE policies, as `rl.PrecisionConfig`'s (module doc)."""
         self.model, self.optimizer, self.cfg, self.correction = model, optimizer, cfg, correction
         self.mesh, self.memory = mesh, memory or MemoryConfig()
         self.bypass = cfg.loss.policy_loss_mode == "bypass"  # cfg: a DapoConfig (rl/config.py's parts)
@@ -357,6 +393,12 @@ class Learner:
                 f"{correction.mode!r}, or a mask) has nothing to correct and its weights would count the PPO ratio's "
                 "IS twice; set tis.RolloutCorrectionConfig.mode = 'none' with no masks, or policy_loss_mode = "
                 "'decoupled'")
+        self.replays = routing == "replay"
+        self.compare_routing = self.replays if compare_routing is None else compare_routing
+        if (self.replays or self.compare_routing) and not model.config.is_moe:
+            raise ConfigError(f"rl.PrecisionConfig.routing={routing!r} / compare_routing={compare_routing} need a "
+                              f"mixture-of-experts policy; {model.config.family} is dense: set routing = 'own' and "
+                              "compare_routing = None")
         self.updates = 0  # optimizer-update passes run (`update` calls): the version of the policy
         self.shards = batch_shards(mesh) if mesh is not None else 1
         if mesh is None:
@@ -375,7 +417,7 @@ class Learner:
         self._correct = _correction_fn(correction)
         # the first mini-batch's old logprobs from its own update (module doc): decoupled, token-local correction
         self.defers_first_mini_batch = (not self.bypass and cfg.loss.old_logprobs_from_update
-                                        and correction.token_local)
+                                        and correction.token_local and (self.replays or not self.compare_routing))
 
     def _use_jitted(self):
         loss = self.cfg.loss
@@ -383,6 +425,7 @@ class Learner:
                                     loss.router_aux_loss_coef),
                       self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served)
         self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
+        self._own_routing_scores = fns["own_routing_scores"]
         self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
 
     @property
@@ -463,17 +506,31 @@ class Learner:
 
     def old_logprobs(self, batch: dict, layouts=None, skip: int | None = None) -> np.ndarray:
         """[N, T] logprobs of the current (pre-update) policy in the per-sequence view, computed on the
-        update's micro-batches (0 off the response mask, and on mini-batch `skip`'s sequences)."""
+        update's micro-batches (0 off the response mask, and on mini-batch `skip`'s sequences); with routing
+        replay, under the engine's routing."""
+        return self._score(batch, layouts, skip, replay=self.replays)[0]
+
+    def _score(self, batch: dict, layouts=None, skip: int | None = None, *, replay: bool, agreement=False):
+        """(logprobs [N, T] as `old_logprobs`, under the engine's routing (`replay`) or the learner's own; with
+        `agreement`, also (agreeing (token, layer) pairs, pairs) of the own routing with the engine's)."""
         layouts = self.micro_layouts(batch) if layouts is None else layouts
+        if (replay or agreement) and _ROUTED not in batch:
+            raise ConfigError("routing replay but the batch has no routed_experts (batching.pack_rollouts(routed_experts=...))")
         view = _view(batch)
-        old = np.zeros(batch["input_ids"].shape, np.float32)
+        keys = _FORWARD_KEYS + ((_ROUTED,) if replay else ())
+        old, agree = np.zeros(batch["input_ids"].shape, np.float32), np.zeros(2, np.int64)
         for layout in (lay for i, mini in enumerate(layouts) if i != skip for lay in mini):
             rows = layout.arrays(view)
+            inputs = self._device({k: rows[k] for k in keys if k in rows})
             with self._on_mesh():
-                logp = self._row_logprobs(self.model, self._device(
-                    {k: rows[k] for k in ("input_ids", "segment_ids", "positions", _SUPPORT) if k in rows}))
+                if agreement:
+                    logp, *pairs = self._own_routing_scores(self.model, inputs, self._device(
+                        {_ROUTED: rows[_ROUTED]})[_ROUTED])
+                    agree += np.asarray(jax.device_get(pairs), np.int64)
+                else:
+                    logp = self._row_logprobs(self.model, inputs)
             layout.to_view(to_host(logp), old)
-        return old * batch["response_mask"]
+        return old * batch["response_mask"], (agree if agreement else None)
 
     # ------------------------------------------------------------------------------ prepare
     def prepare(self, batch: dict) -> PreparedBatch:
@@ -484,21 +541,28 @@ class Learner:
         correction; with `defers_first_mini_batch`, not for the first non-empty mini-batch (its update
         computes them, and the `tis/*` metrics come from `update`). Bypass: old := rollout logprobs,
         weights 1, nothing rejected, no forward pass."""
+        if (self.replays or self.compare_routing) and _ROUTED not in batch:
+            raise ConfigError("routing replay / compare_routing but the batch has no routed_experts: start the engine "
+                              "with return_routed_experts=True (vLLM) so its rollouts carry them")
         layouts = self.micro_layouts(batch)
         mask = np.asarray(batch["response_mask"], np.float32)
         deferred = next((i for i, mini in enumerate(layouts) if mini), None) if self.defers_first_mini_batch else None
         if self.bypass:
             old = np.asarray(batch["rollout_logprobs"], np.float32) * mask
-            weights, keep, metrics = mask.copy(), np.ones_like(mask), {}
+            weights, keep, metrics, agreement = mask.copy(), np.ones_like(mask), {}, None
         else:
-            old = self.old_logprobs(batch, layouts, skip=deferred)
+            old, agreement = self._score(batch, layouts, skip=deferred, replay=self.replays,
+                                         agreement=self.compare_routing and not self.replays)
             weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
             weights, keep = np.array(weights), np.asarray(keep)
             if deferred is not None:  # token-local: keep is the mask; the update computes these rows' weights
                 weights[_sequences(layouts[deferred])] = 0.0
                 metrics = {}
+        routing_metrics = self._compare_routing(batch, layouts, agreement)
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
         view = _view(batch)
+        if not self.replays:  # the engine's routing (compare_routing) stays out of the training forwards
+            view.pop(_ROUTED, None)
         view.update(old_logprobs=old, tis_weights=weights, keep_mask=keep,
                     token_weights=np.zeros_like(loss_mask))
         micro, padding, tokens, rows, laid_out = [], 0, 0, 0, 0
@@ -516,7 +580,7 @@ class Learner:
             laid_out += sum(int(lay.length.sum()) for lay in mini)
             tokens += sum(lay.rows * lay.row_tokens for lay in mini)
             rows += sum(lay.rows for lay in mini)
-        out = {f"tis/{k}": float(v) for k, v in metrics.items()}
+        out = {f"tis/{k}": float(v) for k, v in metrics.items()} | routing_metrics
         if metrics:  # per-turn mismatch of multi-turn trajectories: does it grow with the turn?
             out.update(turn_metrics(old, batch["rollout_logprobs"], batch["response_mask"], batch.get("turn_index")))
         # batch/learner_tokens: the real tokens of the micro-batches (fewer than the sequences' with share_prompts)
@@ -530,6 +594,20 @@ class Learner:
             deferred=None if deferred is None else DeferredMiniBatch(
                 deferred, layouts[deferred], batch["rollout_logprobs"], batch["response_mask"],
                 batch.get("turn_index")))
+
+    def _compare_routing(self, batch: dict, layouts, agreement) -> dict:
+        """`compare_routing`'s metrics (module doc): the step scored under the other routing, one forward pass
+        (and, own routing in bypass, a second for the agreement); `agreement`: the old-logprob pass's, if any."""
+        if not self.compare_routing:
+            return {}
+        other, other_agreement = self._score(batch, layouts, replay=not self.replays, agreement=self.replays)
+        if self.replays:
+            agreement = other_agreement
+        elif agreement is None:
+            agreement = self._score(batch, layouts, replay=False, agreement=True)[1]
+        _, _, metrics = self._correct(other, batch["rollout_logprobs"], batch["response_mask"])
+        name = "tis/kl_own_routing" if self.replays else "tis/kl_replayed_routing"
+        return {"moe/routing_agreement": float(agreement[0] / max(agreement[1], 1)), name: float(metrics["kl"])}
 
     # ------------------------------------------------------------------------------ update
     def step(self, batch: dict) -> dict:

@@ -147,6 +147,8 @@ def groups_to_wire(groups) -> dict:
                                          np.int8)                                              # [Σ|r|]
         wire["turn_index"] = np.array([m for r, k in zip(rollouts, n) for m in (r.turn_index or [0] * k)],
                                       np.int32)                                                # [Σ|r|]
+    if rollouts and rollouts[0].routed_experts is not None:  # routing replay: every rollout has them
+        wire["routed_experts"] = np.concatenate([r.routed_experts for r in rollouts])          # [Σ(|p|+|r|-1), S, K]
     return wire
 
 
@@ -161,13 +163,18 @@ def groups_from_wire(wire: dict) -> list:
         s_end = np.cumsum(wire["support_sizes"])
         supports = [wire["support_ids"][e - n:e].tolist() for e, n in zip(s_end, wire["support_sizes"])]
     turns = "response_mask" in wire
+    routed = None
+    if "routed_experts" in wire:  # sequence i's rows: its length - 1
+        counts = wire["prompt_lengths"] + wire["response_lengths"] - 1                          # [N]
+        routed = np.split(wire["routed_experts"], np.cumsum(counts)[:-1])
     rollouts = [Rollout(prompt_index=i, prompt_token_ids=wire["prompt_ids"][p_end[i] - pl:p_end[i]].tolist(),
                         response_token_ids=wire["response_ids"][r_end[i] - rl:r_end[i]].tolist(),
                         response_logprobs=wire["response_logprobs"][r_end[i] - rl:r_end[i]].tolist(),
                         finish_reason="length" if wire["truncated"][i] else "stop",
                         sampling_support=None if supports is None else supports[r_end[i] - rl:r_end[i]],
                         response_mask=wire["response_mask"][r_end[i] - rl:r_end[i]].tolist() if turns else None,
-                        turn_index=wire["turn_index"][r_end[i] - rl:r_end[i]].tolist() if turns else None)
+                        turn_index=wire["turn_index"][r_end[i] - rl:r_end[i]].tolist() if turns else None,
+                        routed_experts=None if routed is None else routed[i])
                 for i, (pl, rl) in enumerate(zip(wire["prompt_lengths"], wire["response_lengths"]))]
     groups, start = [], 0
     for size in wire["group_sizes"].tolist():

@@ -49,15 +49,17 @@ class EngineSide:
 
     def __init__(self, *, engine, serving: Serving, writer, codec, task, reward_fn, cfg, seed: int, held_out,
                  greedy, async_rollouts: bool, procs: Processes = Processes(),
-                 environment: EnvironmentConfig = EnvironmentConfig()):
+                 environment: EnvironmentConfig = EnvironmentConfig(), return_routed_experts: bool = False):
         self.engine, self.serving, self.writer, self.codec, self.procs = engine, serving, writer, codec, procs
         self.task, self.reward_fn, self.cfg, self.seed, self.environment = task, reward_fn, cfg, seed, environment
         self.held_out, self.greedy = held_out, greedy
+        self.return_routed_experts = return_routed_experts  # routing replay (rl.PrecisionConfig.engine_routing)
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
         return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
-                              seed=self.seed, environment=self.environment)
+                              seed=self.seed, environment=self.environment,
+                              return_routed_experts=self.return_routed_experts)
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         """→ (batch or None when no group was kept, step metrics, generation seconds). The kept rollouts and

@@ -41,17 +41,19 @@ def sampling_seed(seed: int, step: int, draw: int) -> int:
 
 
 def collect_groups(engine, codec, task, reward_fn, cfg, *, step: int, seed: int,
-                   environment: EnvironmentConfig = EnvironmentConfig()):
+                   environment: EnvironmentConfig = EnvironmentConfig(), return_routed_experts: bool = False):
     """→ (kept groups (≤ prompt_batch_size), stats over everything generated this step).
     `cfg`: a `DapoConfig`; only its generation and data parts are read (rl/config.py). `environment`: what each
-    trajectory runs in (default: the task's prompt, one turn, its reward)."""
+    trajectory runs in (default: the task's prompt, one turn, its reward). `return_routed_experts`: rollouts carry
+    the engine's routing (routing replay)."""
     gen, data = cfg.generation, cfg.data
     n = gen.n_samples
     collector = GroupCollector(data.prompt_batch_size, filter_groups=data.dynamic_sampling)
     all_rewards, all_lengths, truncated, nonfinite, turns, finishes, env_seconds = [], [], 0, 0, [], [], 0.0
     for draw in range(data.max_gen_batches):
         examples = task.train_batch(step, draw, data.prompt_batch_size)
-        sampling = gen.sampling(seed=sampling_seed(seed, step, draw), stop_token_ids=(codec.eos_id,))
+        sampling = gen.sampling(seed=sampling_seed(seed, step, draw), stop_token_ids=(codec.eos_id,),
+                                return_routed_experts=return_routed_experts)
         scored = generate_and_score(engine, codec, examples, reward_fn, sampling, environment)
         rollouts, rewards = scored.rollouts, scored.rewards
         groups = [ScoredGroup(examples[p], rollouts[p * n:(p + 1) * n], rewards[p * n:(p + 1) * n])

@@ -25,6 +25,15 @@ turn), its reward the sum of its steps' rewards. It ends with one finish reason:
 It comes back as one `engines.base.Rollout` whose response is everything after the prompt, with
 `response_mask` and `turn_index` (observation tokens belong to the turn they answer); a one-turn trajectory is
 the engine's Rollout itself, so a single-turn task's rollouts are exactly today's.
+
+Routed experts (routing replay, `SamplingConfig.return_routed_experts`): turn k's Rollout routes every position of
+its input (the trajectory so far) and its response but the last. The trajectory's routing takes each position
+from the first turn that computed it, i.e. the turns' routings concatenated in token order,
+
+    routed[p] = routed_k[p]   for the first turn k whose Rollout covers position p
+
+so a turn's sampled tokens carry the routing they were decoded with, and an observation's tokens (and the last
+token of the turn before) the routing the next turn's prefill gave them.
 """
 
 from __future__ import annotations
@@ -110,6 +119,7 @@ class _Open:
         self.env, self.example_index, self.prompt_ids = env, example_index, prompt_ids
         self.ids, self.logprobs, self.mask, self.turns, self.support = [], [], [], [], []
         self.reward, self.num_turns, self.finish, self.info, self.last = 0.0, 0, None, {}, None
+        self.routed = None  # [positions, S, K]: the turns' routed experts so far (module doc), or None
 
     @property
     def length(self) -> int:
@@ -122,6 +132,11 @@ class _Open:
         self.turns += [turn] * len(ids)
         self.support += support
 
+    def add_routing(self, routed) -> None:
+        """A turn's `Rollout.routed_experts`: the positions no earlier turn covered (module doc)."""
+        if routed is not None:
+            self.routed = routed if self.routed is None else np.concatenate([self.routed, routed[len(self.routed):]])
+
     def end(self, finish: str, *, reward: float | None = None, info: dict | None = None) -> None:
         self.finish = finish
         self.reward = self.reward if reward is None else reward
@@ -132,7 +147,8 @@ class _Open:
         rollout = self.last if single else Rollout(
             prompt_index=self.example_index, prompt_token_ids=self.prompt_ids,
             response_token_ids=self.ids, response_logprobs=self.logprobs, finish_reason=self.last.finish_reason,
-            sampling_support=self.support if has_support else None, response_mask=self.mask, turn_index=self.turns)
+            sampling_support=self.support if has_support else None, response_mask=self.mask, turn_index=self.turns,
+            routed_experts=None if self.routed is None else self.routed[:self.length - 1])  # a cut turn: its rows
         return Trajectory(rollout, float(self.reward), self.num_turns, self.finish, self.info)
 
 
@@ -206,6 +222,7 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                 room = int(min(len(ids), budget - traj.length))
                 traj.append(ids[:room], logprobs[:room], 1, turn, support[:room])
                 traj.num_turns, traj.last = turn + 1, r
+                traj.add_routing(r.routed_experts)
                 if room < len(ids):
                     traj.end("token_budget")
                 else:
