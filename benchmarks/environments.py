@@ -165,8 +165,9 @@ def main(argv=None):
                                   "tokens_per_s_single", "wall_s")}
     result["gold_sql"] = gold_sql_steps(task.eval_examples(), environment)
     result["load_average_end"] = os.getloadavg()
-    print(f"median: env share {result['median']['env_share']:.2%}, turn overhead "
-          f"{result['median']['turn_overhead_share']:.2%}, multi/single tokens/s {result['median']['tokens_per_s_ratio']:.2f}; "
+    median = result["median"]
+    print(f"median: env share {median['env_share']:.2%}, turn overhead {median['turn_overhead_share']:.2%}, "
+          f"multi/single tokens/s {median['tokens_per_s_ratio']:.2f}; "
           f"gold SQL {result['gold_sql']['s_per_step'] * 1e3:.2f} ms a step")
     print(write_json(args.out, name, result))
 

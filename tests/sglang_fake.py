@@ -18,8 +18,8 @@ taken from the 0.5.23 source (paths relative to sglang/srt/) or from the recorde
                 BaseException no `except Exception` catches, as nothing catches a SIGKILL.
   stop strings  matched on the decoded text (here one letter per token, `fake_text`); the returned ids keep the
                 token completing the string, the text is cut before it unless no_stop_trim (detokenizer_manager.py).
-  context       a prompt of context_length tokens or more, or prompt + max_new_tokens past it (or the config's max_position_embeddings) is a
-                ValueError (tokenizer_manager.py, _validate_one_request).
+  context       a prompt of context_length (else the config's max_position_embeddings) tokens or more, or
+                prompt + max_new_tokens past it, is a ValueError (tokenizer_manager.py, _validate_one_request).
   flush_cache   returns an object with .success / .message (FlushCacheReqOutput).
   memory        release_memory_occupation is a no-op without enable_memory_saver; with it, the default tags
                 (kv_cache, weights, cuda_graph) are freed and the weights come back as garbage (here: zeros)

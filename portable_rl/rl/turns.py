@@ -20,9 +20,9 @@ turn), its reward the sum of its steps' rewards. It ends with one finish reason:
 
     done           the environment said so
     max_turns      its `max_turns`-th turn was not done
-    token_budget   the next turn or observation would pass L: a turn that reaches L without stopping is cut
-                   there and not stepped (that turn's reward is 0); an observation that leaves no room for one
-                   token of a next turn is not appended, so every turn's prompt is shorter than max_model_len
+    token_budget   the next turn or observation would pass L: a turn that reaches L short of max_tokens without
+                   stopping is cut there and not stepped (that turn's reward is 0); an observation that leaves no
+                   room for one token of a next turn is not appended, so every prompt is shorter than max_model_len
     env_timeout    an environment step took longer than `step_timeout_s`: reward 0 (the thread is abandoned)
     env_error      an environment step raised, or returned no Step: reward 0
 
@@ -232,8 +232,9 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
             for traj, r in zip(active, rollouts):
                 ids, logprobs, support = r.response_token_ids, r.response_logprobs, r.sampling_support or []
                 room = int(min(len(ids), budget - traj.length))
-                # cut at L, or stopped there by length (by the engine's max_model_len or the clamped max_tokens)
-                at_limit = room < len(ids) or (traj.length + room == budget and r.finish_reason == "length")
+                # cut at L, or stopped there short of its own max_tokens (by max_model_len or the cut max_tokens)
+                at_limit = room < len(ids) or (r.finish_reason == "length" and traj.length + room == budget
+                                               and room < sampling.max_tokens)
                 traj.append(ids[:room], logprobs[:room], 1, turn, support[:room])
                 traj.num_turns, traj.last = turn + 1, r
                 if at_limit:
