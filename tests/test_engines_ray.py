@@ -274,8 +274,9 @@ def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, c
             assert "7" not in codec.decode_response(ids[:-1])  # a turn ends at its first '7', keeping it
             observed = [tok for tok, m, turn in zip(r.response_token_ids, r.response_mask, r.turn_index)
                         if not m and turn == k]
-            if observed:  # the observation, tokenized once, logprob 0
-                assert codec.decode_response(observed).strip() == f"left {int(examples[r.prompt_index].answer) - k - 1}"
+            if observed:  # the observation, tokenized once (after the EOS the model did not sample), logprob 0
+                left = int(examples[r.prompt_index].answer) - k - 1
+                assert observed == codec.encode_observation(f"left {left}", after_eos=ids[-1] == codec.eos_id)
         assert all(lp == 0.0 for lp, m in zip(r.response_logprobs, r.response_mask) if not m)
 
 
