@@ -193,7 +193,7 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
     from portable_rl.rl.preemption import StopRequest
     from portable_rl.rl.roles import EngineSide, FollowerSide
     from portable_rl.rl.sync import smoothquant_for_run
-    from portable_rl.rl.turns import task_reward
+    from portable_rl.rl.turns import task_reward, token_limit
 
     budget = None
     if memory_plan is not None:  # before JAX starts its devices: XLA reads its allocator settings then
@@ -215,6 +215,8 @@ def train(*, run: RunConfig, engine_factory: Callable, task, algorithm: DapoConf
         engine = engine_factory(model_path=run.model_path, **(budget.engine_kwargs() if budget else {})) \
             if procs.is_driver else None
         try:
+            if engine is not None:  # a trajectory budget the engine cannot hold fails here, not at a later turn
+                token_limit(environment, engine)
             quantization = procs.broadcast(getattr(engine, "quantization", None))
             serving = Serving(quantization, smoothquant_for_run(
                 precision.smoothquant_alpha, model=state.model, codec=codec, task=task, run_dir=run.run_dir,

@@ -16,6 +16,10 @@ taken from the 0.5.23 source (paths relative to sglang/srt/) or from the recorde
                 non-canonical name or partial fused q/k/v / gate-up update under flash_rl with per-tensor
                 FP8: model_loader/loader.py) kills the process tree — here `EngineProcessDied`, a
                 BaseException no `except Exception` catches, as nothing catches a SIGKILL.
+  stop strings  matched on the decoded text (here one letter per token, `fake_text`); the returned ids keep the
+                token completing the string, the text is cut before it unless no_stop_trim (detokenizer_manager.py).
+  context       a prompt of context_length (else the config's max_position_embeddings) tokens or more, or
+                prompt + max_new_tokens past it, is a ValueError (tokenizer_manager.py, _validate_one_request).
   flush_cache   returns an object with .success / .message (FlushCacheReqOutput).
   memory        release_memory_occupation is a no-op without enable_memory_saver; with it, the default tags
                 (kv_cache, weights, cuda_graph) are freed and the weights come back as garbage (here: zeros)
@@ -44,6 +48,11 @@ API = load_recorded("0.5.23")
 SERVER_ARGS = frozenset(API["server_args"])
 SAMPLING_PARAMS = frozenset(API["sampling_params"])
 UNSEEDED_DEFAULT = 42  # sampling_batch_info.py: deterministic mode, request without sampling_seed
+
+
+def fake_text(ids) -> str:
+    """The fake's detokenizer: token t reads as one letter, chr(97 + t % 26)."""
+    return "".join(chr(97 + t % 26) for t in ids)
 
 
 class EngineProcessDied(BaseException):
@@ -112,6 +121,7 @@ class FakeSGLangEngine:
         block = (config.get("quantization_config") or {}).get("weight_block_size")
         if block is not None and self.weights["model.layers.0.self_attn.q_proj.weight"].dtype != torch.float8_e4m3fn:
             raise ValueError("The block-wise quantization only supports fp8-serialized checkpoint for now.")
+        self.context_len = int(kwargs.get("context_length") or config["max_position_embeddings"])
         self.deterministic = bool(kwargs.get("enable_deterministic_inference", False))
         self.global_rng = torch.Generator().manual_seed(int(kwargs.get("random_seed") or 0))
         self.session = None
@@ -143,6 +153,9 @@ class FakeSGLangEngine:
             else:  # sampling_seed is ignored
                 gen = self.global_rng
             limit = p.get("max_new_tokens", 128)
+            if len(ids) >= self.context_len or limit + len(ids) > self.context_len:  # _validate_one_request
+                raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                                 f"{self.context_len} tokens.")
             prev, toks, lps, finish = ids[-1], [], [], {"type": "length", "length": limit}
             for _ in range(limit):
                 logp = torch.log_softmax(self._logits(prev) / p.get("temperature", 1.0), -1)
@@ -153,7 +166,14 @@ class FakeSGLangEngine:
                 if tok in (p.get("stop_token_ids") or ()):
                     finish = {"type": "stop", "matched": tok}
                     break
-            outs.append({"text": "", "output_ids": toks,
+                matched = [s for s in p.get("stop") or () if s in fake_text(toks)]
+                if matched:  # the scheduler's check on the decoded text; the ids keep the completing token
+                    finish = {"type": "stop", "matched": matched[0]}
+                    break
+            text = fake_text(toks)
+            if finish.get("matched") in (p.get("stop") or ()) and not p.get("no_stop_trim"):
+                text = text[:text.find(finish["matched"])]  # detokenizer_manager.trim_matched_stop: the text only
+            outs.append({"text": text, "output_ids": toks,
                          "meta_info": {"output_token_logprobs": lps, "finish_reason": finish}})
         return outs[0] if single else outs
 

@@ -217,6 +217,70 @@ def test_push_reaches_every_engine(fleet, learner):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, ckpt):
+    """The multi-turn driver (rl/turns.py) on the fleet: every turn's one batched call is sharded over both
+    engines, and the trajectories are those the driver gets from engine 0 alone: the same ids and logprobs, the
+    observations masked, the same turns and finish reasons; the environment's stop string and the fleet's
+    max_model_len reach the engines."""
+    from portable_rl.engines.base import EngineAdapter
+    from portable_rl.environments import Environment, Step
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.rl.turns import run_trajectories
+    from portable_rl.tasks import Example
+
+    class Countdown(Environment):
+        """Done after `answer` turns; each earlier turn is answered `left k`. A turn also stops at '7'."""
+        stop_strings = ("7",)
+
+        def reset(self, example):
+            self.left = int(example.answer)
+            return example.prompt
+
+        def step(self, action_text):
+            self.left -= 1
+            return Step(None, 1.0, True, {}) if self.left == 0 else Step(f"left {self.left}", 0.0, False, {})
+
+    class EngineZero(EngineAdapter):
+        quantization, max_model_len = None, fleet.max_model_len
+
+        def generate(self, prompt_token_ids, sampling):
+            return generate_on(fleet, 0, prompt_token_ids, sampling)
+
+        def update_weights(self, named_tensors):
+            raise NotImplementedError
+
+        def close(self):
+            pass
+
+    assert fleet.max_model_len == 512  # the tiny checkpoint's max_position_embeddings, engine 0's report
+    codec = TextCodec(ckpt)
+    examples = [Example("abc", "2"), Example("hello", "3"), Example("xyz", "9")]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, seed=3, stop_token_ids=(codec.eos_id,))
+    config = EnvironmentConfig(max_turns=3, max_total_tokens=48)
+    on_fleet, _ = run_trajectories(fleet, codec, examples, Countdown, sampling, config)
+    on_one, _ = run_trajectories(EngineZero(), codec, examples, Countdown, sampling, config)
+    assert [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_fleet] == \
+           [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_one]
+    assert {t.finish for t in on_fleet} <= {"done", "max_turns", "token_budget"}
+    assert [t.finish for t in on_fleet[:2]] == ["done"] * 2 and on_fleet[-1].finish != "done"
+    for t in on_fleet:
+        r = t.rollout
+        assert len(r.prompt_token_ids) + len(r.response_token_ids) <= 48
+        assert set(r.turn_index) == set(range(t.num_turns)) and r.response_mask[-1] == 1
+        for k in range(t.num_turns):
+            ids = [tok for tok, m, turn in zip(r.response_token_ids, r.response_mask, r.turn_index) if m and turn == k]
+            assert "7" not in codec.decode_response(ids[:-1])  # a turn ends at its first '7', keeping it
+            observed = [tok for tok, m, turn in zip(r.response_token_ids, r.response_mask, r.turn_index)
+                        if not m and turn == k]
+            if observed:  # the observation, tokenized once (after the EOS the model did not sample), logprob 0
+                left = int(examples[r.prompt_index].answer) - k - 1
+                assert observed == codec.encode_observation(f"left {left}", after_eos=ids[-1] == codec.eos_id)
+        assert all(lp == 0.0 for lp, m in zip(r.response_logprobs, r.response_mask) if not m)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, learner, monkeypatch):
     import psutil  # a vLLM dependency
 

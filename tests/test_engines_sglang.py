@@ -142,6 +142,35 @@ def test_generate_request_and_rollouts(qwen2):
         assert r.finish_reason == ("stop" if r.response_token_ids[-1] == 7 else "length")
 
 
+def test_stop_strings_keep_the_completing_token_and_requests_stay_inside_the_context(qwen2):
+    """SamplingConfig.stop reaches SGLang as `stop` with no_stop_trim (keys checked against SamplingParams' real
+    fields); the rollout's ids end with the token completing the string. A prompt near the context gets its
+    max_new_tokens cut to max_model_len − len(prompt), which SGLang would otherwise refuse."""
+    from sglang_fake import fake_text
+
+    engine = make(qwen2, seed=5)
+    fake = engine._engine
+    assert engine.max_model_len == 512  # the config's max_position_embeddings
+    prompts = [[1, 2, 3], [4]]
+    plain = engine.generate(prompts, SamplingConfig(temperature=1.0, max_tokens=40, n=2, seed=100))
+    stop = fake_text(plain[0].response_token_ids[3:5])  # two letters sample 0 of prompt 0 produced
+    rollouts = engine.generate(prompts, SamplingConfig(temperature=1.0, max_tokens=40, n=2, seed=100, stop=(stop,)))
+    params = fake.calls[-1][1]["sampling_params"]
+    assert all(p["stop"] == [stop] and p["no_stop_trim"] is True for p in params)
+    for r, whole in zip(rollouts, plain):
+        ids = r.response_token_ids
+        assert ids == whole.response_token_ids[:len(ids)]  # the same samples, up to the stop
+        if stop in fake_text(ids):
+            assert r.finish_reason == "stop" and stop not in fake_text(ids[:-1]) and fake_text(ids).endswith(stop)
+    assert len(rollouts[0].response_token_ids) <= 5 and rollouts[0].finish_reason == "stop"
+
+    near = [[1] * 500]
+    (r,) = engine.generate(near, SamplingConfig(temperature=1.0, max_tokens=40, seed=1))
+    assert fake.calls[-1][1]["sampling_params"][0]["max_new_tokens"] == 12 and len(r.response_token_ids) <= 12
+    with pytest.raises(ValueError, match="prompt 0 has 512 tokens; the engine serves at most 512"):
+        engine.generate([[1] * 512], SamplingConfig(max_tokens=4))
+
+
 def test_same_seed_same_rollouts_and_shards_match_the_whole_batch(qwen2):
     """The resume and fleet guarantee; it failed before the adapter turned on deterministic inference."""
     engine = make(qwen2, seed=0)

@@ -2,6 +2,7 @@
 tool environment driven by the real driver, codec, batching, wire and rollout correction; the engine is a
 scripted sampler (the real-vLLM check is tests/test_environments_vllm.py)."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -20,7 +21,7 @@ from portable_rl.rl.learner import turn_metrics
 from portable_rl.rl.multihost import decode, encode, groups_from_wire, groups_to_wire
 from portable_rl.rl.rollout import ScoredGroup, collect_groups
 from portable_rl.rl.scoring import generate_and_score
-from portable_rl.rl.turns import run_trajectories, turn_seed
+from portable_rl.rl.turns import EnvironmentPromptError, run_trajectories, turn_seed
 from portable_rl.tasks import ArithmeticTask, Example, get_reward
 from portable_rl.testing import char_tokenizer
 from portable_rl.testing.configs import dapo_config
@@ -393,3 +394,105 @@ def test_the_docs_calculator_runs_through_the_driver(codec):
     trajs, _ = run_trajectories(ScriptedEngine(codec, policy), codec, EXAMPLES[:1], namespace["Calculator"],
                                 SamplingConfig(n=1, max_tokens=32), EnvironmentConfig(max_turns=4))
     assert (trajs[0].finish, trajs[0].num_turns, trajs[0].reward) == ("done", 2, 1.0)
+
+
+class LimitedEngine(ScriptedEngine):
+    """The scripted sampler with vLLM's limits and stop strings: a prompt of `max_model_len` tokens or more raises
+    (vLLM's input check), a response stops at max_model_len − len(prompt) (finish 'length'), and a response
+    stops after the first character completing a stop string (the char tokenizer: one token per character)."""
+
+    def __init__(self, codec, policy, max_model_len):
+        super().__init__(codec, policy)
+        self.max_model_len = max_model_len
+
+    def generate(self, prompt_token_ids, sampling):
+        for p in prompt_token_ids:
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"The decoder prompt (length {len(p)}) is longer than the maximum model length")
+        out = []
+        for r in super().generate(prompt_token_ids, sampling):
+            ids, finish = r.response_token_ids[:sampling.max_tokens], r.finish_reason
+            finish = finish if len(ids) == len(r.response_token_ids) else "length"
+            text = self.codec.tokenizer.decode(ids, skip_special_tokens=True)
+            ends = [text.find(s) + len(s) for s in sampling.stop if s in text]
+            if ends:
+                ids, finish = ids[:min(ends)], "stop"
+            room = self.max_model_len - len(r.prompt_token_ids)
+            if len(ids) > room:
+                ids, finish = ids[:room], "length"
+            out.append(Rollout(r.prompt_index, r.prompt_token_ids, ids, r.response_logprobs[:len(ids)], finish))
+        return out
+
+
+@register_environment("test_tagged")
+class Tagged(Environment):
+    """Declares a stop string; every turn gets the observation `ok` until a turn holds `<done>`."""
+
+    stop_strings = ("</q>",)
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action_text):
+        self.seen = action_text
+        return Step(None, 1.0, True, {}) if "<done>" in action_text else Step("ok", 0.0, False, {})
+
+
+def test_environment_stop_strings_reach_every_turn_and_end_it_with_the_string(codec):
+    from portable_rl.environments.sql import SqlEnvironment
+
+    assert SqlEnvironment.stop_strings == ("</sql>", "</solution>") and SingleTurnEnvironment.stop_strings == ()
+    def policy(text, seed):
+        return ("<q>1+1</q> and more" if text.count("ok") < 2 else "<done> then </q> more"), True
+
+    engine = LimitedEngine(codec, policy, max_model_len=512)
+    envs = []
+
+    def make():
+        envs.append(Tagged())
+        return envs[-1]
+
+    sampling = dataclasses.replace(SAMPLING, stop=("STOP",))
+    trajs, _ = run_trajectories(engine, codec, EXAMPLES[:1], make, sampling,
+                                EnvironmentConfig(name="test_tagged", max_turns=4))
+    assert [c[1].stop for c in engine.calls] == [("STOP", "</q>")] * 3  # the caller's, then the environment's
+    assert [(t.finish, t.num_turns, t.reward) for t in trajs] == [("done", 3, 1.0)] * 2
+    r = trajs[0].rollout
+    turns = [codec.decode_response([tok for tok, k, m in zip(r.response_token_ids, r.turn_index, r.response_mask)
+                                    if k == turn and m]) for turn in range(3)]
+    assert turns == ["<q>1+1</q>", "<q>1+1</q>", "<done> then </q>"]  # each turn ends with the string, kept
+    assert envs[0].seen == "<done> then </q>"
+    # no EOS after a stop string: the observation starts with one, not sampled
+    first = len(codec.tokenizer.encode("<q>1+1</q>"))
+    assert r.response_token_ids[first] == codec.eos_id and r.response_mask[first] == 0
+    with pytest.raises(ValueError, match=r"stop=\('x',\)"):
+        SamplingConfig(stop="x")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        SamplingConfig(stop=("",))
+
+
+def test_growing_prompts_end_at_the_engines_max_model_len_not_in_an_engine_error(codec):
+    """Later turns feed prompt + every earlier turn: with max_model_len 40 the trajectories end 'token_budget',
+    no call passes the engine a prompt it would refuse, and each call's max_tokens is cut to the room left."""
+    engine = LimitedEngine(codec, lambda text, seed: ("gogogo", True), max_model_len=40)
+    forever = EnvironmentConfig(name="test_forever", max_turns=20)
+    trajs, _ = run_trajectories(engine, codec, EXAMPLES, lambda: Forever(), SAMPLING, forever)
+    assert {t.finish for t in trajs} == {"token_budget"}
+    for t in trajs:
+        assert len(t.rollout.prompt_token_ids) + len(t.rollout.response_token_ids) <= 40 and t.num_turns >= 2
+    for n_prompts, sampling in engine.calls:
+        assert sampling.max_tokens <= SAMPLING.max_tokens
+    assert min(s.max_tokens for _, s in engine.calls) < SAMPLING.max_tokens  # cut to the room left
+    # a turn that runs into the limit without stopping is cut there and not stepped
+    long = LimitedEngine(codec, lambda text, seed: ("g" * 30, False), max_model_len=40)
+    trajs, _ = run_trajectories(long, codec, EXAMPLES[:1], lambda: Forever(), SAMPLING, forever)
+    assert [(t.finish, t.reward) for t in trajs] == [("token_budget", 0.25)] * 2  # turn 0 stepped, turn 1 cut
+
+    with pytest.raises(ConfigError, match=r"max_total_tokens=64 but the engine serves at most 40 tokens .*"
+                                          r"MAX_MODEL_LEN = 64\) or lower max_total_tokens to 40"):
+        run_trajectories(engine, codec, EXAMPLES, lambda: Forever(), SAMPLING,
+                         EnvironmentConfig(name="test_forever", max_turns=2, max_total_tokens=64))
+    with pytest.raises(EnvironmentPromptError, match="the prompt of example 0 has 7 tokens, no room for a turn "
+                                                     "within 6"):
+        run_trajectories(LimitedEngine(codec, engine.policy, max_model_len=6), codec, EXAMPLES, lambda: Forever(),
+                         SAMPLING, forever)

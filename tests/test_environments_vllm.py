@@ -1,8 +1,10 @@
 """Tokens in, tokens out against a real fp32 vLLM-CPU engine (one start, ~20 s on 2 cores): 4-turn trajectories of
 the tiny random Qwen2 checkpoint (a byte-pair tokenizer with merges, like a real model's), through the driver,
-`dapo.build_batch` and the learner's old-logprob forward. The learner's logprob of every model token equals the
-engine's to the fp32 floor; observation tokens are masked; re-tokenizing the trajectories' text would have
-changed many of their tokens."""
+`dapo.build_batch` and the learner's old-logprob forward. The environment declares stop strings, so turns end at
+a string (the engine's ids up to the token completing it) as well as at EOS and max_tokens. The learner's logprob
+of every model token equals the engine's to the fp32 floor; observation tokens are masked; re-tokenizing the
+trajectories' text would have changed many of their tokens. On the same engine (max_model_len 64), trajectories
+whose prompts grow past it end 'token_budget' instead of failing in vLLM."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,8 @@ from test_environments import Forever, bpe_tokenizer, retokenization_drift  # no
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-FP32_FLOOR = 1e-5  # measured: max |learner − engine| = 4.8e-7 over 92 model tokens (a bf16 engine: ~1e-2)
+FP32_FLOOR = 1e-5  # measured: max |learner − engine| = 4.8e-7 over 59 model tokens, 8 of 16 turns ending at a stop
+                  # string (a bf16 engine: ~1e-2)
 
 
 def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_engine_did(tmp_path):
@@ -38,11 +41,27 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
     codec = TextCodec(ckpt)
     cfg = dapo_config(prompt_batch_size=2, mini_batch_size=2, n_samples=2, max_response_tokens=6, temperature=1.0)
     examples = [Example("calc:3+4", "7"), Example("the tool said", "1")]
-    env = EnvironmentConfig(name="test_forever", max_turns=4)
-    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(dtype="float32")) as engine:
+    env = EnvironmentConfig(name="test_forever_digits", max_turns=4)
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(dtype="float32"), max_model_len=64) as engine:
         sampling = cfg.generation.sampling(seed=5, stop_token_ids=(codec.eos_id,))
         scored = generate_and_score(engine, codec, examples, lambda text, answer: 0.0, sampling, env)
+        assert engine.max_model_len == 64
+        growing = generate_and_score(engine, codec, examples, lambda text, answer: 0.0, sampling,
+                                     EnvironmentConfig(name="test_forever", max_turns=40))
+    for t in growing.trajectories:  # later turns' prompts grew to the engine's limit: ended, not an engine error
+        r = t.rollout
+        assert t.finish == "token_budget" and len(r.prompt_token_ids) + len(r.response_token_ids) <= 64
+        assert t.num_turns > 4 and len(r.response_mask) == len(r.response_token_ids)
     assert [t.num_turns for t in scored.trajectories] == [4] * 4
+    stopped = 0
+    for r in scored.rollouts:  # a turn that stopped at a string ends with the token completing it
+        for k in range(4):
+            ids = [tok for tok, m, turn in zip(r.response_token_ids, r.response_mask, r.turn_index) if m and turn == k]
+            text = codec.decode_response(ids)
+            assert not any(d in codec.decode_response(ids[:-1]) for d in DIGITS), text  # it stopped at the first
+            stopped += any(d in text for d in DIGITS)
+    print(f"{stopped} of 16 turns stopped at a stop string")
+    assert stopped >= 4
     assert all(t.finish == "max_turns" and t.reward == 1.0 for t in scored.trajectories)
     groups = [ScoredGroup(examples[p], scored.rollouts[2 * p:2 * p + 2], scored.rewards[2 * p:2 * p + 2])
               for p in range(2)]
@@ -65,6 +84,16 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
     total = sum(len(r.prompt_token_ids) + len(r.response_token_ids) for r in scored.rollouts)
     print(f"re-tokenizing the text departs from the sampled ids for the last {sum(drift)} of {total} tokens")
     assert sum(drift) > 0
+
+
+DIGITS = tuple("0123456789")
+
+
+@register_environment("test_forever_digits")
+class ForeverDigits(Forever):
+    """test_forever with stop strings: a turn also ends at the first token whose text holds a digit."""
+
+    stop_strings = DIGITS
 
 
 @register_environment("test_two_turns")

@@ -135,7 +135,7 @@ def test_turn_protocol_reminders_and_format_errors(db):
 
 
 def test_a_missing_closing_tag_at_the_end_of_a_turn_is_accepted(db):
-    # Engines drop the stop string ("</sql>", "</solution>") they stopped on.
+    # A turn cut at max_tokens may end inside its tag (a stop string ends it with the closing tag kept).
     assert "n3" in _env(db).step("<sql>SELECT name FROM t WHERE id = 3").observation
     assert _env(db).step("<solution>SELECT name FROM t WHERE city = 'Oslo'").reward == 1.0
 

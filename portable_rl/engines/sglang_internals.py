@@ -45,7 +45,8 @@ INT8_W8A8_METHODS = {"sglang.srt.layers.quantization.w8a8_int8": "W8A8Int8Linear
 # ServerArgs fields and SamplingParams keys the adapter passes.
 SERVER_ARGS = ("model_path", "random_seed", "dtype", "enable_deterministic_inference", "enable_memory_saver",
                "enable_weights_cpu_backup", "quantization", "load_format")
-SAMPLING_KEYS = ("temperature", "max_new_tokens", "top_p", "top_k", "stop_token_ids", "sampling_seed")
+SAMPLING_KEYS = ("temperature", "max_new_tokens", "top_p", "top_k", "stop_token_ids", "stop", "no_stop_trim",
+                 "sampling_seed")
 
 _ADAPTER = "portable_rl/engines/sglang_adapter.py"
 
@@ -143,6 +144,25 @@ def _check_keywords(src):
     return f"SamplingParams lost {sorted(missing)}" if missing else None
 
 
+def _check_stop_trim(src):
+    manager = find_class(src.tree("sglang.srt.managers.detokenizer_manager"), "DetokenizerManager")
+    trim = find_function(manager, "trim_matched_stop")
+    if trim is None or "no_stop_trim" not in parameters(trim):
+        return "DetokenizerManager.trim_matched_stop(output, finished_reason, no_stop_trim) is gone (re-read how " \
+               "stop strings are trimmed)"
+    handler = find_function(manager, "handle_batch_token_id_out")
+    return None if "output_token_logprobs_idx" in names_used(handler) else \
+        "handle_batch_token_id_out no longer passes output_token_logprobs_idx through (are the ids trimmed now?)"
+
+
+def _check_context_refusal(src):
+    for rel in src.glob("sglang/srt/managers/*.py"):  # tokenizer_manager.py or one of its mixins
+        texts = string_constants(src.tree(rel.removesuffix(".py").replace("/", ".")))
+        if any(t.startswith("Requested token count exceeds") for t in texts):
+            return None
+    return "srt/managers no longer refuses prompt + max_new_tokens past the context (the adapter's cut may be moot)"
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("tempered_logprobs", "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB",
              "logprobs are log(softmax(logits / T)) unless this env var is set (then T=1); the adapter refuses it",
@@ -166,6 +186,12 @@ INTERNALS: tuple[Internal, ...] = (
              "with enable_memory_saver + enable_weights_cpu_backup, release_memory_occupation frees weights, KV "
              "cache and CUDA graphs and resume restores the weights", f"{_ADAPTER}:SGLangEngine.sleep",
              _check_memory_saver),
+    Internal("stop_strings_keep_ids", "sglang.srt.managers.detokenizer_manager.DetokenizerManager.trim_matched_stop",
+             "a matched stop string is trimmed from the text only (not with no_stop_trim=True), never from the "
+             "returned output_token_logprobs ids", f"{_ADAPTER}:SGLangEngine.generate (stop)", _check_stop_trim),
+    Internal("context_length_refusal", "sglang.srt.managers.tokenizer_manager (_validate_one_request)",
+             "a request with prompt + max_new_tokens >= context_length is refused", f"{_ADAPTER}:SGLangEngine.generate "
+             "(max_new_tokens cut to max_model_len)", _check_context_refusal),
     Internal("engine_keywords", "sglang.srt.server_args.ServerArgs / sglang.srt.sampling.sampling_params.SamplingParams",
              f"ServerArgs has {', '.join(SERVER_ARGS)}; SamplingParams has {', '.join(SAMPLING_KEYS)}",
              f"{_ADAPTER}:SGLangEngine", _check_keywords),

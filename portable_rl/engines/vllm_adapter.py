@@ -343,6 +343,7 @@ class VLLMEngine(EngineAdapter):
             self._llm.collective_rpc("portable_rl_capture_routing")
         # What vLLM resolved: the `quantization` argument, or the method of a pre-quantized checkpoint.
         self.quantization = INT8 if int8 else vllm_internals.served_model_config(self._llm).quantization
+        self.max_model_len = int(vllm_internals.served_model_config(self._llm).max_model_len)
         self._in_process = in_process
         # one worker in this process: pushes pass by reference; else through shared memory (module doc)
         self.pushes_by_reference = (in_process and vllm_internals.executor_backend(self._llm)
@@ -371,8 +372,10 @@ class VLLMEngine(EngineAdapter):
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
+                # stop strings are matched on the detokenized text; the token completing one stays (base.py)
+                stop=list(sampling.stop), include_stop_str_in_output=True, detokenize=bool(sampling.stop),
                 # flat: per request a few primitive lists, not top_k Logprob objects per token
-                logprobs=num_logprobs, detokenize=False, flat_logprobs=sampling.return_support))
+                logprobs=num_logprobs, flat_logprobs=sampling.return_support))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         if self._captures_routing:  # taken after every generate, so the worker keeps nothing between calls
             captured = records_by_inputs(llm.collective_rpc("portable_rl_take_routed_experts")[0])

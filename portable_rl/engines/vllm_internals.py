@@ -183,7 +183,7 @@ def quiet_expected_reload_warnings() -> None:
 # ------------------------------------------------------------------------------------------- engine objects
 def served_model_config(llm):
     """The ModelConfig vLLM resolved (`quantization`: the argument or a pre-quantized checkpoint's method;
-    `dtype`)."""
+    `dtype`; `max_model_len`)."""
     return llm.llm_engine.vllm_config.model_config
 
 

@@ -28,7 +28,12 @@ class Step(NamedTuple):
 
 class Environment(abc.ABC):
     """One trajectory's environment. `step` may run in a worker thread (one thread per call, never two
-    calls of one instance at once), under the driver's time limit."""
+    calls of one instance at once), under the driver's time limit.
+
+    `stop_strings`: where the engine ends a turn besides EOS (e.g. a tool call's closing tag); the driver adds
+    them to the sampling's `stop`, and the turn's text keeps the string (engines/base.py, "Stop strings")."""
+
+    stop_strings: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def reset(self, example) -> str | list[dict]:

@@ -7,7 +7,8 @@ Turns (at most `max_turns`; the example's `metadata["db_path"]` names the databa
   (SkyRL's layout, so a model trained there sees what it expects).
 - Neither tag: an observation saying the turn was invalid, reward 0.
 - The last allowed turn without a `<solution>` ends the trajectory with reward 0 (a format error).
-  A closing tag may be missing at the very end of a turn: engines drop the stop string they stopped on.
+The engine ends a turn at `</sql>` or `</solution>` (`stop_strings`, as SkyRL-SQL's sampling), keeping the tag in
+the turn; a turn cut at max_tokens may lack its closing tag, and the text after the opening tag still counts.
 
 Result equality: rows are compared as multisets (`Counter` of row tuples), or as ordered lists when the gold
 query has ORDER BY; floats are rounded to 6 decimals; column order counts. A result larger than
@@ -218,6 +219,8 @@ class SqlEnvironment(Environment):
       max_query_chars: longer queries are refused.
       max_result_rows: rows fetched to score a solution; a larger result scores 0.
     """
+
+    stop_strings = ("</sql>", "</solution>")
 
     def __init__(self, *, max_turns: int = 6, query_timeout_s: float = 5.0, max_rows: int = 50,
                  max_observation_bytes: int = 4000, max_query_chars: int = 20_000, max_result_rows: int = 10_000):

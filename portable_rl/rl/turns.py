@@ -2,6 +2,9 @@
 
     reset      env_i = Env(**kwargs) per trajectory; prompt ids of example p = codec.encode_prompt(reset(example))
                (text) or codec.encode_messages(reset(example)) (chat messages)
+    stop       sampling.stop + the environment's `stop_strings` (e.g. `</sql>`): a turn ends at one, keeping it
+    length     L = min(max_total_tokens, engine.max_model_len); a prompt of L tokens or more is an error; each
+               call's max_tokens is cut to the most room left, max over its trajectories of L − length
     turn 0     engine.generate(one prompt per example, sampling)            n trajectories per example: today's
                call, today's seeds (sample j of example p: seed + p·n + j), trajectory t = p·n + j
     turn k≥1   engine.generate(ids of every active trajectory, sampling with n = 1 and seed S_k)   ONE batched call;
@@ -17,8 +20,9 @@ turn), its reward the sum of its steps' rewards. It ends with one finish reason:
 
     done           the environment said so
     max_turns      its `max_turns`-th turn was not done
-    token_budget   the next turn or observation would pass `max_total_tokens` (a turn is cut at the budget, and
-                   not stepped: that turn's reward is 0; an observation that does not fit is not appended)
+    token_budget   the next turn or observation would pass L: a turn that reaches L short of max_tokens without
+                   stopping is cut there and not stepped (that turn's reward is 0); an observation that leaves no
+                   room for one token of a next turn is not appended, so every prompt is shorter than max_model_len
     env_timeout    an environment step took longer than `step_timeout_s`: reward 0 (the thread is abandoned)
     env_error      an environment step raised, or returned no Step: reward 0
 
@@ -54,7 +58,20 @@ FINISH_REASONS = ("done", "max_turns", "token_budget", "env_timeout", "env_error
 
 
 class EnvironmentPromptError(UserError, ValueError):
-    """An environment's reset gave different prompts for the same example (a group must share its prompt)."""
+    """An environment's reset gave different prompts for the same example (a group must share its prompt), or a
+    prompt that leaves no room for a turn."""
+
+
+def token_limit(config, engine) -> float:
+    """L: the most tokens a trajectory may hold, `config.max_total_tokens` and the engine's `max_model_len`
+    (inf: neither set). A budget the engine cannot hold is a ConfigError naming the fix (train checks it at
+    start)."""
+    engine_len = getattr(engine, "max_model_len", None)
+    if config.max_total_tokens is not None and engine_len is not None and config.max_total_tokens > engine_len:
+        raise ConfigError(f"rl.EnvironmentConfig.max_total_tokens={config.max_total_tokens} but the engine serves "
+                          f"at most {engine_len} tokens (max_model_len); raise the engine's max_model_len (gin: "
+                          f"MAX_MODEL_LEN = {config.max_total_tokens}) or lower max_total_tokens to {engine_len}")
+    return min(config.max_total_tokens or float("inf"), engine_len or float("inf"))
 
 
 @dataclasses.dataclass
@@ -193,16 +210,25 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
     """Runs `sampling.n` trajectories per example to their end (module doc) → (trajectories, prompt-major:
     trajectory p·n + j is sample j of examples[p]; seconds spent in the environments). `config`: an
     `rl.EnvironmentConfig`."""
-    n, budget = sampling.n, config.max_total_tokens or float("inf")
+    n, budget = sampling.n, token_limit(config, engine)
     env_seconds, start = 0.0, time.perf_counter()
     envs = [make_env() for _ in range(len(examples) * n)]
     prompts = [env.reset(examples[t // n]) for t, env in enumerate(envs)]
     env_seconds += time.perf_counter() - start
+    stop = tuple(dict.fromkeys(sampling.stop + tuple(getattr(envs[0], "stop_strings", ()) if envs else ())))
+    if stop != sampling.stop:
+        sampling = dataclasses.replace(sampling, stop=stop)
     encoded = [codec.encode_prompt(p) if isinstance(p, str) else codec.encode_messages(p) for p in prompts[::n]]
     for t, p in enumerate(prompts):
         if p != prompts[t - t % n]:
             raise EnvironmentPromptError(f"{type(envs[t]).__name__}.reset gave trajectories {t - t % n} and {t} of "
                                          "one example different prompts; reset must depend on the example only")
+    for p, ids in enumerate(encoded):
+        if len(ids) >= budget:
+            raise EnvironmentPromptError(
+                f"the prompt of example {p} has {len(ids)} tokens, no room for a turn within {int(budget)} "
+                f"(rl.EnvironmentConfig.max_total_tokens / the engine's max_model_len); raise them or drop longer "
+                f"prompts from the data")
     trajs = [_Open(env, t // n, encoded[t // n]) for t, env in enumerate(envs)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="environment")
     abandoned = []  # futures of timed-out steps (their threads cannot be stopped)
@@ -211,19 +237,24 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
             active = [t for t in trajs if t.finish is None]
             if not active:
                 break
+            most = budget - min(t.length for t in active)  # the most tokens any active trajectory may still take
+            call = sampling if most >= sampling.max_tokens else dataclasses.replace(sampling, max_tokens=int(most))
             if turn == 0:  # today's call: one prompt per example, n samples each, the step's seeds
-                rollouts = engine.generate(encoded, sampling)
+                rollouts = engine.generate(encoded, call)
             else:
                 rollouts = engine.generate([t.prompt_ids + t.ids for t in active],
-                                           dataclasses.replace(sampling, n=1, seed=turn_seed(sampling.seed, turn)))
+                                           dataclasses.replace(call, n=1, seed=turn_seed(sampling.seed, turn)))
             stepping = []
             for traj, r in zip(active, rollouts):
                 ids, logprobs, support = r.response_token_ids, r.response_logprobs, r.sampling_support or []
                 room = int(min(len(ids), budget - traj.length))
+                # cut at L, or stopped there short of its own max_tokens (by max_model_len or the cut max_tokens)
+                at_limit = room < len(ids) or (r.finish_reason == "length" and traj.length + room == budget
+                                               and room < sampling.max_tokens)
                 traj.append(ids[:room], logprobs[:room], 1, turn, support[:room])
                 traj.num_turns, traj.last = turn + 1, r
                 traj.add_routing(r.routed_experts)
-                if room < len(ids):
+                if at_limit:
                     traj.end("token_budget")
                 else:
                     stepping.append(traj)

@@ -1,0 +1,176 @@
+"""What multi-turn rollouts cost, on the SQL CPU recipe's settings (gin/recipes/smollm2_sql_fp8.gin): the real SQL
+environment on the generated SQLite databases, SmolLM2-135M-Instruct with its chat template, vLLM-CPU
+fp8_per_channel, 4 questions × 8 samples, at most 4 turns of 96 tokens, 1024 tokens a trajectory.
+
+    python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct      # once
+    python -m benchmarks.environments [--model checkpoints/smollm2-135m-instruct] [--repeats 3] \
+        [--out docs/data/environments_cost]
+
+One engine; after a warm-up pass, each repetition r runs, alternating:
+
+    multi    the rollout phase of a training step (`generate_and_score`, the driver of rl/turns.py) on the
+             questions of step r → its wall time W, the engine's time G (the sum of its generate calls), the
+             environments' time E (`time/env`) and the model tokens N = Σ_t N_t (response_mask = 1)
+    single   ONE generate call of the same prompts, trajectory t's forced to its N_t tokens (vLLM ignore_eos):
+             a single-turn step of the same tokens → its wall time S
+
+and reports per repetition, then the median:
+
+    env share        E / W              environment time in the rollout phase (target < 5 % of the step)
+    turn overhead    (W − G − E) / W    the driver's own time: observations tokenized, turns decoded, bookkeeping
+    tokens/s ratio   (N / W) / (N / S) = S / W     multi-turn against single-turn generation (target >= 0.8)
+
+Shares are of the rollout phase alone; a training step adds the learner's time (most of the recipe's step), so
+the share of the step is smaller. The policy is the base model, not the recipe's warm start (which takes ~10
+minutes to train here): it writes fewer queries than a tool-trained policy, so `gold_sql` also times the
+environment on the held-out questions' gold queries (`<sql>gold</sql>`, then `<solution>gold</solution>`): the cost
+of steps that run real SQL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+from benchmarks.bench_common import write_json
+
+
+class TimedEngine:
+    """The engine, with the wall time of its generate calls summed in `seconds`."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds, self.calls = engine, 0.0, 0
+
+    def generate(self, prompt_token_ids, sampling):
+        start = time.perf_counter()
+        try:
+            return self.engine.generate(prompt_token_ids, sampling)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def __getattr__(self, name):  # max_model_len, quantization, ...
+        return getattr(self.engine, name)
+
+
+def multi_turn_pass(engine, codec, examples, sampling, environment) -> dict:
+    from portable_rl.rl.scoring import generate_and_score
+
+    timed = TimedEngine(engine)
+    start = time.perf_counter()
+    scored = generate_and_score(timed, codec, examples, None, sampling, environment)
+    wall = time.perf_counter() - start
+    model_tokens = [sum(r.response_mask) if r.response_mask is not None else len(r.response_token_ids)
+                    for r in scored.rollouts]
+    finishes = [t.finish for t in scored.trajectories]
+    return {"wall_s": wall, "engine_s": timed.seconds, "env_s": scored.env_seconds, "generate_calls": timed.calls,
+            "model_tokens": model_tokens, "tokens": sum(model_tokens),
+            "turns_mean": statistics.mean(t.num_turns for t in scored.trajectories),
+            "finish": {f: finishes.count(f) for f in sorted(set(finishes))},
+            "sql_queries": sum(text.count("<sql>") for text in scored.texts),
+            "reward_mean": statistics.mean(scored.scores),
+            "prompts": [r.prompt_token_ids for r in scored.rollouts]}
+
+
+def single_turn_pass(engine, prompts, lengths, temperature: float, seed: int) -> float:
+    """One vLLM call generating exactly lengths[t] tokens after prompts[t] (EOS ignored), as the adapter samples
+    (logprobs of the sampled token, no detokenization) → its wall time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine._require_llm()
+    params = [SamplingParams(n=1, temperature=temperature, max_tokens=max(int(n), 1), ignore_eos=True, seed=seed + t,
+                             logprobs=0, detokenize=False) for t, n in enumerate(lengths)]
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def gold_sql_steps(examples, environment) -> dict:
+    """The SQL environment stepped with each question's gold query, as a tool-using policy would: a `<sql>` turn,
+    then the `<solution>` → seconds per step and per trajectory (reset and close included)."""
+    from portable_rl.rl.turns import environment_factory
+
+    make = environment_factory(environment, None)
+    steps, start = 0, time.perf_counter()
+    for example in examples:
+        env = make()
+        env.reset(example)
+        env.step(f"<sql>{example.answer}</sql>")
+        env.step(f"<solution>{example.answer}</solution>")
+        env.close()
+        steps += 2
+    seconds = time.perf_counter() - start
+    return {"trajectories": len(examples), "steps": steps, "seconds": seconds, "s_per_step": seconds / steps}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max_turns", type=int, default=4)
+    parser.add_argument("--max_tokens", type=int, default=96)
+    parser.add_argument("--max_model_len", type=int, default=1024)
+    parser.add_argument("--quantization", default="fp8_per_channel")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--out", default="docs/data/environments_cost")
+    args = parser.parse_args(argv)
+
+    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.rl.codec import TextCodec
+    from portable_rl.rl.config import EnvironmentConfig
+    from portable_rl.tasks.sql_data import SqlTask
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"{args.model} holds no checkpoint; python -m portable_rl.convert.gguf {args.model}")
+    task = SqlTask(levels=(1, 2), num_eval=8, seed=0)
+    codec = TextCodec(args.model, chat_template=True)
+    environment = EnvironmentConfig(name="sql", max_turns=args.max_turns, kwargs={"max_rows": 5},
+                                    max_total_tokens=args.max_model_len)
+    sampling = lambda seed: SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens,  # noqa: E731
+                                           n=args.n, seed=seed, stop_token_ids=(codec.eos_id,))
+    result = {"benchmark": "environments", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "cpu": platform.processor() or platform.machine(), "load_average_start": os.getloadavg(),
+              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "repetitions": []}
+    name = f"environments_cost_{datetime.date.today().isoformat()}.json"
+    engine = create_engine("vllm", model_path=args.model, max_model_len=args.max_model_len,
+                           engine_init_kwargs={"quantization": args.quantization, "enable_chunked_prefill": False})
+    try:
+        multi_turn_pass(engine, codec, task.train_batch(0, 0, args.prompts), sampling(0), environment)  # warm-up
+        for r in range(1, args.repeats + 1):
+            multi = multi_turn_pass(engine, codec, task.train_batch(r, 0, args.prompts), sampling(r), environment)
+            single_s = single_turn_pass(engine, multi.pop("prompts"), multi["model_tokens"], args.temperature, r)
+            wall = multi["wall_s"]
+            rep = {**multi, "single_turn_s": single_s, "env_share": multi["env_s"] / wall,
+                   "turn_overhead_share": (wall - multi["engine_s"] - multi["env_s"]) / wall,
+                   "tokens_per_s_multi": multi["tokens"] / wall, "tokens_per_s_single": multi["tokens"] / single_s,
+                   "tokens_per_s_ratio": single_s / wall}
+            result["repetitions"].append(rep)
+            print(f"[{r}] W {wall:.1f} s (engine {multi['engine_s']:.1f}, env {multi['env_s']:.3f}), "
+                  f"{multi['tokens']} tokens in {multi['turns_mean']:.2f} turns; single turn {single_s:.1f} s; "
+                  f"env {rep['env_share']:.2%}, overhead {rep['turn_overhead_share']:.2%}, "
+                  f"ratio {rep['tokens_per_s_ratio']:.2f}", flush=True)
+            write_json(args.out, name, result)
+    finally:
+        engine.close()
+    reps = result["repetitions"]
+    result["median"] = {k: statistics.median(rep[k] for rep in reps)
+                        for k in ("env_share", "turn_overhead_share", "tokens_per_s_ratio", "tokens_per_s_multi",
+                                  "tokens_per_s_single", "wall_s")}
+    result["gold_sql"] = gold_sql_steps(task.eval_examples(), environment)
+    result["load_average_end"] = os.getloadavg()
+    median = result["median"]
+    print(f"median: env share {median['env_share']:.2%}, turn overhead {median['turn_overhead_share']:.2%}, "
+          f"multi/single tokens/s {median['tokens_per_s_ratio']:.2f}; "
+          f"gold SQL {result['gold_sql']['s_per_step'] * 1e3:.2f} ms a step")
+    print(write_json(args.out, name, result))
+
+
+if __name__ == "__main__":
+    main()
