@@ -183,7 +183,9 @@ def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
         "@": ["--gin_file=gin/dapo_fp8.gin", "--gin_file=gin/engines/ray_vllm.gin", "--gin_file=gin/learner/mesh.gin",
               "--gin.MESH_DATA=2", "--gin.MESH_FSDP=2", "--gin.NUM_ENGINES=1", f"--gin.MODEL_PATH='{model}'",
               f"--gin.RUN_DIR='{run}'",
-              "--gin.TRAIN_STEPS=2", "--gin.rl.RunConfig.eval_size=16"],
+              "--gin.TRAIN_STEPS=2", "--gin.rl.RunConfig.eval_size=16",
+              # a random policy earns no reward: without dynamic sampling its all-zero groups still make an update
+              "--gin.rl.DataConfig.dynamic_sampling=False"],
     }
     ray_args = {  # one box, two Ray nodes: each its own temp dir and ports that the other does not take
         "head": [f"--temp-dir={head_tmp}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
