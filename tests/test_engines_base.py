@@ -17,7 +17,8 @@ def test_sampling_rejects_truncation_unless_allowed():
     with pytest.raises(ValueError, match="learner"):
         SamplingConfig(top_k=50)
     assert SamplingConfig(top_k=50, allow_truncated_sampling=True).top_k == 50
-    for bad in (dict(temperature=-0.1), dict(max_tokens=0), dict(n=0)):
+    for bad in (dict(temperature=-0.1), dict(max_tokens=0), dict(n=0), dict(min_tokens=-1),
+                dict(max_tokens=4, min_tokens=5)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     assert SamplingConfig(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # hashable, frozen

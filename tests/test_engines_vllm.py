@@ -95,6 +95,9 @@ def test_stop_token_ends_with_finish_reason_stop(bf16_engine):
                                                                stop_token_ids=(stop,)))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.response_token_ids[-1] == stop and len(stopped.response_token_ids) <= 3
+    forced = bf16_engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8,
+                                                              stop_token_ids=(stop,)))[0]
+    assert forced.finish_reason == "length" and len(forced.response_token_ids) == 8  # min_tokens masks the stop
 
 
 def test_bf16_logprobs_match_learner_at_temperature(bf16_engine, learner):

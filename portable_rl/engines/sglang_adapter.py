@@ -233,6 +233,8 @@ class SGLangEngine(EngineAdapter):
                          top_p=sampling.top_p, top_k=sampling.top_k)
                 if sampling.stop_token_ids:
                     p["stop_token_ids"] = list(sampling.stop_token_ids)
+                if sampling.min_tokens:
+                    p["min_new_tokens"] = sampling.min_tokens
                 if sampling.seed is not None and self.seeds_honoured:
                     p["sampling_seed"] = sampling.seed_for(i, j)
                 input_ids.append(prompt)

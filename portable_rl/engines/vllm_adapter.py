@@ -349,7 +349,8 @@ class VLLMEngine(EngineAdapter):
             seed = sampling.seed_for(i)
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
+                max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, seed=seed,
+                stop_token_ids=list(sampling.stop_token_ids),
                 # flat: per request a few primitive lists, not top_k Logprob objects per token
                 logprobs=num_logprobs, detokenize=False, flat_logprobs=sampling.return_support))
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
