@@ -216,7 +216,7 @@ def _served_by(engine) -> str:
 
 def checkpoint(args, workdir: str) -> tuple[str, str, int]:
     """(checkpoint directory, its name, parameter count): --model, or a random Qwen2 written into workdir."""
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     if args.model:
         ckpt, name = args.model, os.path.basename(os.path.normpath(args.model))

@@ -35,7 +35,7 @@ def build(args):
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import build_batch
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import WordProblemsTask
 

@@ -492,7 +492,7 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.learner import Learner
     from portable_rl.tasks import get_reward
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     cache = Cache(workdir, fingerprint(setting, checkpoint, prompts, samples, seeds, sketch_dim, sketch_seed,
                                       aggregation))

@@ -56,7 +56,7 @@ def cli_inputs(tmp_path_factory):
     import jax.numpy as jnp
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.learner_jax.checkpoint import Checkpointer
-    from portable_rl.testing import char_tokenizer, make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import char_tokenizer, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("bad_cli")
     model_dir = Path(make_tiny_checkpoint(root / "model"))          # vocab_size 128
@@ -368,7 +368,7 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import build_batch
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.rollout import NonFiniteLogprobsError, check_nonfinite_fraction, collect_groups
     from portable_rl.tasks import ArithmeticTask, get_reward

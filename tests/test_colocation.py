@@ -58,7 +58,7 @@ class RecordingEngine(EngineAdapter):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("colocation") / "model")
 
@@ -77,7 +77,7 @@ def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True):
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import RunConfig
     from portable_rl.rl.config import DiagnosticsConfig
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.train import train
 

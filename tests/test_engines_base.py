@@ -157,7 +157,7 @@ def test_blockwise_start_checkpoint_is_written_once_and_atomically(tmp_path, mon
 
     from portable_rl.engines import quantize
     from portable_rl.engines.quantize import SOURCE_MARKER, ensure_blockwise_fp8_checkpoint
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
     root = tmp_path / "run"

@@ -27,8 +27,8 @@ from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.probe import ProbeMismatchError, compare_logprobs, run_probe  # noqa: E402
 from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
 from portable_rl.learner_jax.logprobs import sequence_logprobs  # noqa: E402
-from portable_rl.testing.perturb import perturbed  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from perturb import perturbed  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

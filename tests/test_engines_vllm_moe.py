@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.checkpoint import safetensors_files  # noqa: E402
 from portable_rl.errors import ConfigError  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -23,8 +23,8 @@ from portable_rl.rl.learner import Learner  # noqa: E402
 from portable_rl.rl.rollout import ScoredGroup  # noqa: E402
 from portable_rl.rl.scoring import generate_and_score  # noqa: E402
 from portable_rl.tasks import Example  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 from test_environments import Forever, bpe_tokenizer, retokenization_drift  # noqa: E402,F401  (registers test_forever)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

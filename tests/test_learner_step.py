@@ -20,7 +20,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl import learner as learner_lib
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
 from test_micro_batches import CFG, TX, ragged_batch
 

@@ -21,7 +21,7 @@ from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.learner_jax.optim import make_optimizer
 from portable_rl.rl.batching import MicroBatchBudgetError, pack_rollouts
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
 
 CFG = ModelConfig(family="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

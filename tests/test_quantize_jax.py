@@ -46,7 +46,7 @@ def test_export_pushes_int8_and_scales_for_projections_only(tmp_path):
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.checkpoint import read_checkpoint_shapes
     from portable_rl.engines.quantize import is_quantized_projection, write_int8_checkpoint
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
     model, config = load_hf_model(src, param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -72,7 +72,7 @@ def test_export_refuses_nan_before_yielding_it(tmp_path):
     from portable_rl.convert.mapping import param_mappings
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.quantize import is_quantized_projection
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     model, config = load_hf_model(make_tiny_checkpoint(tmp_path / "bf16", "qwen2"), param_dtype=jnp.float32,
                                   compute_dtype=jnp.float32)

@@ -14,7 +14,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.rl.config import DataConfig, GenerationConfig, LossConfig, PrecisionConfig, RunConfig, SafetyConfig, ShapeConfig
 from portable_rl.rl.dapo import DapoConfig
 from portable_rl.rl.config import DiagnosticsConfig
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # DapoConfig's defaults when it was one flat dataclass: the parts must keep them.

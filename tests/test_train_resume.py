@@ -21,7 +21,7 @@ from portable_rl import tis  # noqa: E402
 from portable_rl.learner_jax.optim import make_optimizer  # noqa: E402
 from portable_rl.rl.config import RunConfig  # noqa: E402
 from portable_rl.rl.config import DiagnosticsConfig  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 from portable_rl.rl.metrics import read_metrics  # noqa: E402
 from portable_rl.tasks import ArithmeticTask  # noqa: E402
 from portable_rl.train import train  # noqa: E402

@@ -192,7 +192,7 @@ def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
 
 def rl_cfg():
     """The DAPO settings the loss reads (clip-higher, token-mean); they do not change the update's memory."""
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     return dapo_config(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
                        clip_eps_high=0.28, loss_aggregation="token-mean")
