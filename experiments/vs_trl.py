@@ -195,7 +195,7 @@ def load_setting(args) -> dict:
             value = value.scoped_configurable_fn()
         return value
 
-    cfg = gin_utils.CONFIG_OBJECTS["algorithm"]()  # the configured DapoConfig
+    cfg = gin_utils.CONFIG_OBJECTS["dapo"]()  # the configured DapoConfig
     gen, loss = cfg.generation, cfg.loss
     setting = {
         "model_path": str(REPO / q("rl.RunConfig.model_path")), "task": q("train.task"),

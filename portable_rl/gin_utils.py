@@ -100,8 +100,8 @@ def register_library() -> None:
     register_configurable(tis.from_preset, name="from_preset", module="tis")
     parts = {name: register_configurable(cls, module="rl") for name, cls in dapo_parts().items()}
     CONFIG_OBJECTS.update(
-        run=register_configurable(rl_config.RunConfig, module="rl"),
-        algorithm=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
+        run_config=register_configurable(rl_config.RunConfig, module="rl"),
+        dapo=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
         correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
         precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
         memory=register_configurable(MemoryConfig, module="learner"),
@@ -151,6 +151,8 @@ MOVED = {
                                     "rl.DiagnosticsConfig.disabled = ['update_survival'])",
     "train.mismatch_split": "rl.DiagnosticsConfig.disabled = ['mismatch_split'] (to turn it off)",
     "train.progress": "nothing: the progress bar shows on a terminal only",
+    "train.run": "train.run_config",
+    "train.algorithm": "train.dapo",
 }
 
 

@@ -184,7 +184,7 @@ class Plan:
     data: dict
 
 
-def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, algorithm,
+def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, dapo,
          engine: EngineSettings, memory_plan, environ: Mapping[str, str],
          full_compile: bool = False) -> Plan:
     """The plan of a run (module doc) from its config objects; compiles the learner update (cached)."""
@@ -200,7 +200,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     learner_devices = gpus if mesh_cfg is not None else 1
     mesh = mesh_shape(mesh_cfg, learner_devices) if mesh_cfg is not None else (1, 1, 1, 1)  # data, fsdp, expert, tensor
     shards = mesh[0] * mesh[1] * mesh[2]  # the batch's rows split over data, fsdp and expert
-    gen, loss = algorithm.generation, algorithm.loss
+    gen, loss = dapo.generation, dapo.loss
     max_len = engine.max_model_len
     if max_len < gen.max_response_tokens:
         warnings.append(f"MAX_MODEL_LEN={max_len} < max_response_tokens={gen.max_response_tokens}: the engine cannot "
@@ -226,7 +226,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     em = engine_memory(hf, engine.quantization, engine.tensor_parallel)
     costs = memory_plan or MemoryPlan(learner_peak_gb=None)   # the engine's and the runtime's allowances
     overhead_gb, asleep_gb, reserve_gb = costs.engine_overhead_gb, costs.engine_asleep_gb, costs.reserve_gb
-    batch_seqs = algorithm.data.prompt_batch_size * gen.n_samples
+    batch_seqs = dapo.data.prompt_batch_size * gen.n_samples
 
     lines.append(f"model    {model_source}: {em.params / 1e9:.2f} B params, {hf['num_hidden_layers']} layers, "
                  f"hidden {hf['hidden_size']}, vocab {hf['vocab_size']}")
@@ -439,7 +439,7 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
     except ValueError:
         mesh_cfg = None
     result = plan(hf=hf, model_source=source, gpus=args.gpus, device_gb=device_gb, precision=objects["precision"](),
-                  memory=objects["memory"](), mesh_cfg=mesh_cfg, algorithm=objects["algorithm"](),
+                  memory=objects["memory"](), mesh_cfg=mesh_cfg, dapo=objects["dapo"](),
                   engine=gin_utils.engine_settings(), memory_plan=gin_utils.run_memory_plan(learner_devices=args.gpus),
                   environ=environ,
                   full_compile=args.full_compile)

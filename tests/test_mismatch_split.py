@@ -20,7 +20,8 @@ from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
-from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving, probe_rows
+from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, probe_rows
+from portable_rl.rl.sync import Serving
 from portable_rl.rl.mismatch_split import quantized_learner, with_quantized_projections
 from portable_rl.rl.multihost import Processes
 from portable_rl.learner_jax.quantize import served_fp8_per_channel

@@ -25,6 +25,7 @@ from portable_rl.rl.batching import pack_rollouts
 from portable_rl.rl.config import DiagnosticsConfig
 from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, response_slices
 from portable_rl.rl.multihost import Processes
+from portable_rl.rl.sync import Serving
 from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
 
 PROBE_SEED = 1234
@@ -35,18 +36,6 @@ class Diagnostic(Protocol):
 
     def after_push(self) -> dict[str, float]:
         """Metrics of the weights just pushed; called on every process, in the same order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Serving:
-    """What the engine serves: its `quantization` (engines/base.py) and the push's SmoothQuant factors (or None),
-    known on every process."""
-    quantization: str | None
-    smoothing: object = None
-
-    @property
-    def label(self) -> str | None:
-        return self.quantization if self.smoothing is None else f"{self.quantization}+smoothquant"
 
 
 class UpdateSurvivalDiagnostic:
