@@ -25,7 +25,7 @@ from portable_rl.rl.sync import Serving
 from portable_rl.rl.mismatch_split import quantized_learner, with_quantized_projections
 from portable_rl.rl.multihost import Processes
 from portable_rl.learner_jax.quantize import served_fp8_per_channel
-from portable_rl.rl.update_survival import projection_paths
+from portable_rl.rl.served_view import projection_paths
 from perturb import perturbed
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

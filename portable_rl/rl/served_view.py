@@ -27,8 +27,13 @@ from flax import nnx
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
 from portable_rl.convert.smoothing import Smoothing
+from portable_rl.engines.quantize import is_quantized_projection
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
-from portable_rl.rl.update_survival import projection_paths
+
+
+def projection_paths(model_config) -> list[tuple]:
+    """NNX paths of the decoder projections (q/k/v/o, gate/up/down kernels): the matrices engines quantize."""
+    return [m.nnx_path for m in param_mappings(model_config) if is_quantized_projection(m.hf_name)]
 
 
 @functools.partial(jax.jit, static_argnames=("quantization",))
