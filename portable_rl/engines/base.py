@@ -195,8 +195,8 @@ class EngineAdapter(abc.ABC):
     """A rollout engine. Subclasses implement `generate`, `update_weights`, `close`, and set `quantization`.
 
     `quantization` (str | None) is part of the contract (module doc): None for an engine serving the pushed
-    weights unquantized, else the scheme's name. `registry.create_engine` fills in None, with a warning, for
-    an out-of-tree adapter that predates it.
+    weights unquantized, else the scheme's name. `registry.create_engine` closes an adapter that does not set
+    it and raises a TypeError naming the fix.
     """
 
     quantization: str | None  # set by every adapter (class attribute, property or in __init__)
