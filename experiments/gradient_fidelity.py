@@ -124,7 +124,7 @@ class Setting:
     max_model_len: int
     make_checkpoint: str            # the command that writes `checkpoint`
     engine_init_kwargs: dict = dataclasses.field(default_factory=dict)   # every arm's extra vLLM arguments
-    memory: dict = dataclasses.field(default_factory=dict)               # learner.MemoryConfig fields
+    memory: dict = dataclasses.field(default_factory=dict)               # learner_jax.MemoryConfig fields
     loss: dict = dataclasses.field(default_factory=dict)                 # rl.LossConfig fields
     compute_dtype: str = "float32"
 

@@ -207,7 +207,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
                         "hold a full answer; set MAX_MODEL_LEN to the longest prompt + MAX_RESPONSE_TOKENS")
     budget = memory.max_tokens_per_micro_batch
     if budget is not None and budget < max_len:
-        warnings.append(f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} < MAX_MODEL_LEN={max_len}: a "
+        warnings.append(f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={budget} < MAX_MODEL_LEN={max_len}: a "
                         "full-length sequence would stop the run (sequences are never split); raise it")
     rows, row_tokens, micro = micro_batch_layout(memory, sequences=loss.mini_batch_size * gen.n_samples,
                                                  shards=shards, max_len=max_len)
@@ -386,9 +386,9 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
         out.append("a tensor axis in the learner's mesh (--gin.MESH_TENSOR=8: each layer's gathered weights and "
                    "activations split 8 ways; re-plan)")
     if memory.remat != "full":
-        out.append("learner.MemoryConfig.remat='full' (the largest single saving; re-plan)")
+        out.append("learner_jax.MemoryConfig.remat='full' (the largest single saving; re-plan)")
     if memory.max_tokens_per_micro_batch and memory.max_tokens_per_micro_batch // 2 >= max_len:
-        out.append(f"learner.MemoryConfig.max_tokens_per_micro_batch={memory.max_tokens_per_micro_batch // 2} "
+        out.append(f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={memory.max_tokens_per_micro_batch // 2} "
                    "(activations ~halve; re-plan)")
     for n in sorted({gpus * k for k in (2, 3, 4, 6, 8, 12, 16)} | {16, 24, 32, 48, 64, 96, 128}):
         if n > gpus and fits_on(n, min(8, max(em.tensor_parallel, 1))):

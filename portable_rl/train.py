@@ -270,7 +270,7 @@ def train(*, run_config: RunConfig, engine_factory: Callable, task, dapo: DapoCo
       correction: the rollout correction (TIS and masks; `tis.RolloutCorrectionConfig`); its default: none.
       optimizer_factory: builds the optax optimizer; None: `optim.make_optimizer()`.
       precision: the learner's dtypes, the push's SmoothQuant, the learner's served view (`rl.PrecisionConfig`).
-      memory: the learner's memory strategy; every setting computes the same update (`learner.MemoryConfig`).
+      memory: the learner's memory strategy; every setting computes the same update (`learner_jax.MemoryConfig`).
       diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
       environment: what each trajectory runs in and when it ends (`rl.EnvironmentConfig`); default: the task's
         prompt, one turn, scored by its reward.

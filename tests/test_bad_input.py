@@ -91,12 +91,12 @@ CLI_CASES = {
                                             "point MODEL_PATH at a checkpoint"),
     "checkpoint": (["--gin.RUN_DIR={run}"], "{run}/checkpoints/4 cannot be restored"),
     # (no dynamic sampling: the random model's groups all score 0 and would all be dropped before the learner)
-    "budget": (["--gin.learner.MemoryConfig.max_tokens_per_micro_batch=4", "--gin.rl.DataConfig.dynamic_sampling=False"],
-               "does not fit learner.MemoryConfig.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
+    "budget": (["--gin.learner_jax.MemoryConfig.max_tokens_per_micro_batch=4", "--gin.rl.DataConfig.dynamic_sampling=False"],
+               "does not fit learner_jax.MemoryConfig.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
     # the learner's memory knobs (learner_jax.memory.MemoryConfig, learner_jax.attention)
-    "attention": (["--gin.learner.MemoryConfig.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
+    "attention": (["--gin.learner_jax.MemoryConfig.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
                                                           "use 'blockwise' (or 'auto')"),
-    "remat": (["--gin.learner.MemoryConfig.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
+    "remat": (["--gin.learner_jax.MemoryConfig.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
     "algorithm": (["--gin.rl.GenerationConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
     "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
     # bypass keeps the default run's token TIS: the weights would count the PPO ratio's IS twice

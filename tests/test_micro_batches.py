@@ -100,7 +100,7 @@ def test_sequence_over_the_token_budget_is_a_one_line_error(batch):
     with pytest.raises(MicroBatchBudgetError) as e:
         learner.prepare(batch)
     assert str(e.value) == (f"a sequence of {longest} tokens (prompt + response) does not fit "
-                            f"learner.MemoryConfig.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
+                            f"learner_jax.MemoryConfig.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
                             f"least {longest}")
     assert isinstance(e.value, ValueError)
 

@@ -57,11 +57,11 @@ PARTS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
 @dataclasses.dataclass(frozen=True)
 class PeakRequest:
     """One update to compile: the model (an HF config.json dict), the learner mesh, the memory knobs
-    (`learner.MemoryConfig` fields), the micro-batch layout per device and the dtypes (`rl.PrecisionConfig`)."""
+    (`learner_jax.MemoryConfig` fields), the micro-batch layout per device and the dtypes (`rl.PrecisionConfig`)."""
 
     hf_config: dict
     mesh: tuple                # (data, fsdp, expert, tensor)
-    memory: dict               # learner.MemoryConfig fields
+    memory: dict               # learner_jax.MemoryConfig fields
     rows: int                  # rows per device of one micro-batch
     row_tokens: int            # tokens per row
     micro_batches: int         # > 1: the grad step + apply step with the f32 accumulator

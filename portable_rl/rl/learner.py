@@ -338,7 +338,7 @@ def _sequence_lengths(batch: dict, budget: int | None) -> np.ndarray:
     if budget is not None and lengths.size and lengths.max() > budget:
         raise MicroBatchBudgetError(
             f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
-            f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
+            f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
             f"{int(lengths.max())}")
     return lengths
 
