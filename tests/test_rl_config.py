@@ -118,6 +118,7 @@ def test_parts_validate_their_own_fields_in_one_line():
                                (LossConfig, dict(loss_aggregation="token_mean"), "loss_aggregation='token_mean'"),
                                (LossConfig, dict(ppo_epochs=0), "ppo_epochs=0"),
                                (LossConfig, dict(dual_clip_c=1.0), "dual_clip_c=1.0 must be > 1"),
+                               (LossConfig, dict(clip_eps_low=-0.1), "clip_eps_low=-0.1"),
                                (LossConfig, dict(overlong_buffer=-1), "overlong_buffer=-1"),
                                (LossConfig, dict(loss_norm_constant=0), "loss_norm_constant=0"),
                                (SafetyConfig, dict(max_nonfinite_fraction=2.0), "must be in \\[0, 1\\]"),
