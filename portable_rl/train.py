@@ -13,9 +13,9 @@ One RL step (`rl_step`, docs/training.md "What one step does"):
 
 `train()` is a plain keyword-only function of config objects (rl/config.py, rl/dapo.py, learner_jax/memory.py,
 tis/), a loop over `build_run` (the learner's half of a `Run`), `build_engine_side` (the engine's half),
-`rl_step` and `maybe_checkpoint`; gin binds the configs' fields (gin_utils registers it). Rerunning the same command resumes from the
-newest checkpoint in `run_dir/checkpoints`; SIGTERM finishes the current step, checkpoints it and exits
-(rl/preemption.py). `RunConfig.async_rollouts` overlaps generation of step k+1 with training on step k, one
+`rl_step` and `maybe_checkpoint`; gin binds the configs' fields (gin_utils registers it). Rerunning the same
+command resumes from the newest checkpoint in `run_dir/checkpoints`; SIGTERM finishes the current step,
+checkpoints it and exits (rl/preemption.py). `RunConfig.async_rollouts` overlaps generation of step k+1 with training on step k, one
 step off-policy (rl/async_rollout.py). Several JAX processes (`python -m portable_rl.launch`): process 0 owns the
 engine and the logs, the others follow it (rl/roles.py); every process runs the same sharded step.
 """
@@ -159,7 +159,8 @@ def build_engine_side(run: Run, *, engine_factory: Callable, task, reward_fn, he
     from portable_rl.rl.sync import Serving, smoothquant_for_run
 
     config, procs, codec, gen = run.config, run.procs, run.codec, run.dapo.generation
-    run.timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine, async_rollouts=config.async_rollouts)
+    run.timeshare = TimeSharing(enabled=budget is not None and budget.sleep_engine,
+                                async_rollouts=config.async_rollouts)
     engine = engine_factory(model_path=config.model_path, **(budget.engine_kwargs() if budget else {})) \
         if procs.is_driver else None
     try:
@@ -237,7 +238,8 @@ def maybe_checkpoint(run: Run, step: int, *, stop_now: bool) -> bool:
     (a SIGTERM on some process, rl/preemption.py)."""
     config = run.config
     if step % config.checkpoint_every == 0 or step == config.train_steps or stop_now:
-        run.ckpts.save(step, run.model, run.optimizer, extra={"seed": config.seed, "model_path": str(config.model_path)})
+        run.ckpts.save(step, run.model, run.optimizer,
+                       extra={"seed": config.seed, "model_path": str(config.model_path)})
     if stop_now:
         print(f"[train] stopped after step {step} (checkpoint saved); rerun the same command to resume", flush=True)
     return stop_now

