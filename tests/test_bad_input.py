@@ -180,7 +180,7 @@ def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
     assert "(did you mean 'eval_size'?)" in message("rl.RunConfig.eval_sise = 4")
     assert "(it moved: set rl.GenerationConfig.n_samples)" in message("rl.DapoConfig.n_samples = 4")
     unrelated = message("train.zzz = 1")
-    assert "parameters of train: run, engine_factory, task, algorithm" in unrelated and "\n" not in unrelated
+    assert "parameters of train: run_config, engine_factory, task, dapo" in unrelated and "\n" not in unrelated
 
 
 def test_every_user_facing_error_is_a_user_error():
