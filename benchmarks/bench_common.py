@@ -49,7 +49,7 @@ def add_model_size_args(parser: argparse.ArgumentParser, *, layers: int, hidden:
 
 def random_qwen2_checkpoint(path: str, args) -> str:
     """Writes (once) a random untied Qwen2 HF checkpoint of the size in `args` (add_model_size_args)."""
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_checkpoint(path, "qwen2", vocab_size=args.vocab, hidden_size=args.hidden,

@@ -242,7 +242,7 @@ def vllm_child(args):
 
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.engines.vllm_adapter import VLLMEngine
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(os.path.join(args.out, "colocation_vllm_ckpt"), "qwen2", size="small")
     engine = VLLMEngine(model_path=path, max_model_len=256, gpu_memory_utilization=args.engine_fraction,

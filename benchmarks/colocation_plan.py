@@ -9,7 +9,7 @@ gathered weights):
 
 Prints a markdown table: layout (time-shared / resident), fits or the knob the plan names, the engine's
 gpu_memory_utilization and the KV-cache tokens it leaves. Nothing is allocated; the checkpoints are
-header-only (portable_rl.testing.shapes_only).
+header-only (portable_rl.planning.shapes_only).
 
     python -m benchmarks.colocation_plan [--device_gb 141] [--devices 1 2 4 8]
 """
@@ -23,7 +23,7 @@ import tempfile
 
 from benchmarks.learner_memory import MODELS  # (published config.json values)
 from portable_rl.rl.colocation import MemoryPlan, MemoryPlanError
-from portable_rl.testing.shapes_only import hf_shapes, write_shapes_only_checkpoint
+from portable_rl.planning.shapes_only import hf_shapes, write_shapes_only_checkpoint
 
 GB = 1e9
 # (recipe, model, engine quantization, MAX_MODEL_LEN, peak at fsdp=8 in GB, micro-batched?) from docs/scaling.md

@@ -342,7 +342,7 @@ def run_arm(arm: Arm, dry_run: bool, reps: int, peak: float | None, cudnn: bool 
     from portable_rl.learner_jax.optim import make_optimizer, with_master_weights
     from portable_rl.rl.batching import pack_rollouts
     from portable_rl.rl.learner import Learner
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     out = {"arm": dataclasses.asdict(arm)}
     capacity, out["capacity_source"] = device_capacity(dry_run)

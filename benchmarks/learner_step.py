@@ -179,7 +179,7 @@ def count_params(ckpt: str) -> int:
 
 
 def bench_one(size: str, dtype: str, workdir: str, reps: int, torch_threads: int, shape=None) -> dict:
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     ckpt = os.path.join(workdir, f"qwen2_{size}")
     if not os.path.exists(os.path.join(ckpt, "config.json")):

@@ -109,7 +109,7 @@ def jax_side(side: str, ckpt: str, dtype: str, rollouts: dict, args):
     from portable_rl.learner_jax.memory import MemoryConfig
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.batching import pack_rollouts
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.learner import Learner
 
     if side == "new":

@@ -22,8 +22,8 @@ logprobs per token), the price of exact top-p TIS (tokens/s; the arms sample dif
 (e.g. checkpoints/smollm2-135m-instruct) instead of a random Qwen2.
 
 Decode (`--decode`): rollout-length generation, the way RL rollouts spend their time. Every request decodes
-exactly --max-tokens (default 256; vLLM's `ignore_eos`, set by this script around the adapter's own
-`generate`, so every arm does the same work), from --prompts prompts whose lengths are drawn uniformly from
+exactly --max-tokens (default 256; `SamplingConfig.min_tokens = max_tokens`: EOS is masked until then, so
+every arm does the same work), from --prompts prompts whose lengths are drawn uniformly from
 --prompt-len (default 100-300 tokens: word-problem text from the checkpoint's own tokenizer, cut to that
 length). The KV cache holds every prompt at full length, so each decode step runs at batch B = --prompts.
 Each repetition (--reps, default 5) runs every arm twice, full length and prefill-only (max_tokens = 1), in an
@@ -216,7 +216,7 @@ def _served_by(engine) -> str:
 
 def checkpoint(args, workdir: str) -> tuple[str, str, int]:
     """(checkpoint directory, its name, parameter count): --model, or a random Qwen2 written into workdir."""
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     if args.model:
         ckpt, name = args.model, os.path.basename(os.path.normpath(args.model))
@@ -346,39 +346,17 @@ def kv_cache_bytes(ckpt: str, prompts: int, max_model_len: int) -> int:
     return max(CPU_KV_CACHE_BYTES, int(1.25 * per_token * prompts * max_model_len))
 
 
-class _ForcedLength:
-    """Inside `with`: the adapter's `generate` samples with vLLM's `ignore_eos`, so every request decodes
-    exactly max_tokens (benchmark-only; the library's SamplingConfig stops at EOS, as rollouts must).
-
-    It swaps `vllm.SamplingParams`, which the adapter looks up when `generate` runs; `_timed_call` checks
-    the token count, so a change in that lookup fails loudly instead of measuring EOS-stopped requests."""
-
-    def __enter__(self):
-        import functools
-
-        import vllm
-
-        self._params = vllm.SamplingParams
-        vllm.SamplingParams = functools.partial(self._params, ignore_eos=True)
-
-    def __exit__(self, *exc):
-        import vllm
-
-        vllm.SamplingParams = self._params
-
-
 def _timed_call(engine, prompts, sampling) -> tuple[float, int]:
     """(wall seconds, generated tokens) of one adapter `generate`, after a prefix-cache reset (so every call
     prefills its prompts and no arm reuses KV entries another call computed)."""
     engine._llm.reset_prefix_cache()
-    with _ForcedLength():
-        start = time.perf_counter()
-        rollouts = engine.generate(prompts, sampling)
-        elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    rollouts = engine.generate(prompts, sampling)
+    elapsed = time.perf_counter() - start
     tokens = sum(len(r.response_token_ids) for r in rollouts)
     if tokens != len(prompts) * sampling.max_tokens:
         raise RuntimeError(f"{tokens} tokens generated, not {len(prompts)} x {sampling.max_tokens}: the forced "
-                           "length (ignore_eos) did not reach vLLM; see _ForcedLength")
+                           "length (min_tokens = max_tokens) did not reach vLLM")
     return elapsed, tokens
 
 
@@ -454,12 +432,12 @@ def decode(args) -> dict:
             engines[arm] = create_engine("vllm", model_path=ckpt, max_model_len=max_len, seed=0,
                                          quantized_checkpoint_root=os.path.join(workdir, "quantized"), **kwargs)
         served_by = {arm: _served_by(engine) for arm, engine in engines.items()}
-        prefill = SamplingConfig(temperature=1.0, max_tokens=1, seed=0)
+        prefill = SamplingConfig(temperature=1.0, max_tokens=1, min_tokens=1, seed=0)
         b = len(prompts)
         calls = []
         for rep in range(1 + args.reps):  # round 0 warms up
             t = min(WARMUP_TOKENS, args.max_tokens) if rep == 0 else args.max_tokens
-            full = SamplingConfig(temperature=1.0, max_tokens=t, seed=0)
+            full = SamplingConfig(temperature=1.0, max_tokens=t, min_tokens=t, seed=0)
             for position, arm in enumerate(rotated(list(engines), rep)):
                 generate_s, _ = _timed_call(engines[arm], prompts, full)
                 prefill_s, _ = _timed_call(engines[arm], prompts, prefill)

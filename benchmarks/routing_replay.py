@@ -80,8 +80,8 @@ def main(argv=None):
     from portable_rl.rl import batching
     from portable_rl.rl.dapo import build_batch
     from portable_rl.rl.learner import Learner
-    from portable_rl.testing import make_tiny_checkpoint
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
+    from portable_rl.rl.dapo import dapo_config
 
     cfg = dapo_config(prompt_batch_size=args.groups, mini_batch_size=max(args.groups // 2, 1), n_samples=args.samples,
                       max_response_tokens=2 * args.response_tokens, overlong_buffer=0, old_logprobs_from_update=False)

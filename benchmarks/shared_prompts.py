@@ -1,7 +1,7 @@
 """Shared prompts in the learner: one SmolLM2 learner step with and without `share_prompts`, same batch.
 
 A GRPO group is n answers to one prompt. Packed one sequence at a time, the learner runs the prompt's
-p tokens n times; with `learner.MemoryConfig.share_prompts` (learner_jax/memory.py) they share one copy and each answer
+p tokens n times; with `learner_jax.MemoryConfig.share_prompts` (learner_jax/memory.py) they share one copy and each answer
 is a continuation segment that attends to it (learner_jax/attention.py):
 
     learner tokens per group    n · (p + r)    ->    p − 1 + n · (r + 1)
@@ -35,7 +35,7 @@ def build(args):
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import build_batch
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import WordProblemsTask
 

@@ -34,7 +34,7 @@ from portable_rl.learner_jax.losses import policy_loss
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.learner_jax.optim import make_optimizer
 from portable_rl.learner_jax.step import make_train_step
-from portable_rl.testing import TINY_SIZES
+from portable_rl.convert.tiny_checkpoint import TINY_SIZES
 
 PRESETS = ("token_tis", "icepop", "everything")
 

@@ -124,7 +124,7 @@ class Setting:
     max_model_len: int
     make_checkpoint: str            # the command that writes `checkpoint`
     engine_init_kwargs: dict = dataclasses.field(default_factory=dict)   # every arm's extra vLLM arguments
-    memory: dict = dataclasses.field(default_factory=dict)               # learner.MemoryConfig fields
+    memory: dict = dataclasses.field(default_factory=dict)               # learner_jax.MemoryConfig fields
     loss: dict = dataclasses.field(default_factory=dict)                 # rl.LossConfig fields
     compute_dtype: str = "float32"
 
@@ -492,7 +492,7 @@ def measure(setting: Setting, *, prompts: int, samples: int, arms, corrections, 
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.learner import Learner
     from portable_rl.tasks import get_reward
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     cache = Cache(workdir, fingerprint(setting, checkpoint, prompts, samples, seeds, sketch_dim, sketch_seed,
                                       aggregation))

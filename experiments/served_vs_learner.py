@@ -48,7 +48,7 @@ def _learner(model_dir, checkpoints, step, compute_dtype):
 
 def _score(model, rollouts, temperature, pad_id):
     """The rollouts' per-token response logprobs under `model`, laid out and sliced as the post-sync probe's
-    reference is (rl/sync.py's `run_probe`)."""
+    reference is (engines/probe.py's `run_probe`)."""
     import jax.numpy as jnp
     import numpy as np
 

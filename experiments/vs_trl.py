@@ -22,10 +22,10 @@ runs at its best setting on this CPU (best vs best):
     serves, with float32 master weights in the optimizer) or `recipe` (the recipe's bf16 math); `auto`
     (default) = `recipe` where the CPU has bf16 dot products (there bf16 is the faster learner math,
     docs/benchmarks.md), else `fp32` (without them bf16 is widened in software);
-    `--ours_remat none` drops the recipe's recompute (`learner.MemoryConfig.remat = 'none'`, same 1024-token micro-batches:
+    `--ours_remat none` drops the recipe's recompute (`learner_jax.MemoryConfig.remat = 'none'`, same 1024-token micro-batches:
     the recipe recomputes activations for a box shared with other jobs; alone, the memory is there);
     `--ours_gin NAME=VALUE` (repeatable) adds any other binding of portable_rl.train (e.g.
-    `learner.MemoryConfig.attention_impl='blockwise'`), named in the results.
+    `learner_jax.MemoryConfig.attention_impl='blockwise'`), named in the results.
   Step time: `time/step` of metrics.jsonl (generate + old logprobs + updates + weight push).
 * **TRL**: `trl.GRPOTrainer` as a user would run it on this CPU, with the DAPO pieces TRL has:
   `loss_type="dapo"` (token-mean), clip 0.2 / 0.28, `beta=0`, the soft overlong punishment reward
@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours_remat", choices=("recipe", "none"), default="recipe",
                    help="recipe: its remat 'full'; none: no recompute (same micro-batches; a box to itself)")
     p.add_argument("--ours_gin", action="append", default=[], metavar="NAME=VALUE",
-                   help="an extra gin binding for ours only, e.g. learner.MemoryConfig.attention_impl='blockwise' (repeatable)")
+                   help="an extra gin binding for ours only, e.g. learner_jax.MemoryConfig.attention_impl='blockwise' (repeatable)")
     p.add_argument("--skip_ours", action="store_true")
     p.add_argument("--skip_trl", action="store_true")
     p.add_argument("--reuse_ours", action="store_true",
@@ -145,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ours_learner = "recipe" if has_fast_bf16() else "fp32"
     for binding in args.ours_gin:
         if "=" not in binding or binding.startswith(("-", "=")):
-            raise SystemExit(f"error: --ours_gin {binding!r} is not NAME=VALUE; e.g. --ours_gin \"learner.MemoryConfig.remat='none'\"")
+            raise SystemExit(f"error: --ours_gin {binding!r} is not NAME=VALUE; e.g. --ours_gin \"learner_jax.MemoryConfig.remat='none'\"")
     if args.skip_ours and args.skip_trl:
         raise SystemExit("error: --skip_ours and --skip_trl together leave nothing to run; drop one")
     if args.skip_ours and args.reuse_ours:
@@ -175,7 +175,7 @@ def ours_bindings(args) -> list[str]:
     if args.ours_learner == "fp32":
         flags += ["--gin.rl.PrecisionConfig.param_dtype='bfloat16'", "--gin.rl.PrecisionConfig.compute_dtype='float32'"]
     if args.ours_remat == "none":
-        flags.append("--gin.learner.MemoryConfig.remat='none'")
+        flags.append("--gin.learner_jax.MemoryConfig.remat='none'")
     return flags + [f"--gin.{binding}" for binding in args.ours_gin]
 
 
@@ -195,7 +195,7 @@ def load_setting(args) -> dict:
             value = value.scoped_configurable_fn()
         return value
 
-    cfg = gin_utils.CONFIG_OBJECTS["algorithm"]()  # the configured DapoConfig
+    cfg = gin_utils.CONFIG_OBJECTS["dapo"]()  # the configured DapoConfig
     gen, loss = cfg.generation, cfg.loss
     setting = {
         "model_path": str(REPO / q("rl.RunConfig.model_path")), "task": q("train.task"),

@@ -11,10 +11,11 @@ The repository's `gin/` folder (next to the `portable_rl` package) and the curre
 searched, so `--gin_file=gin/dapo_fp8.gin` and `--gin_file=dapo_fp8.gin` both work from anywhere.
 Library callables are registered here with `gin.external_configurable`, under short module names
 (`tasks.ArithmeticTask`, `engines.create_engine`, `tis.RolloutCorrectionConfig`, ...). The config objects
-(`rl.RunConfig`, `rl.GenerationConfig`, `learner.MemoryConfig`, ...) are bound field by field; an argument of
+(`rl.RunConfig`, `rl.GenerationConfig`, `learner_jax.MemoryConfig`, ...) are bound field by field; an argument of
 `train` (or a part of `rl.DapoConfig`) that the gin files do not set explicitly is built from its class's
 bindings, so `rl.LossConfig.ppo_epochs = 2` takes effect on its own. A binding renamed when the config
-objects replaced the flat keywords fails with one line naming the new one (`MOVED`).
+objects replaced the flat keywords, or a configurable renamed to match its module path, fails with one line
+naming the new one (`MOVED`, `RENAMED`).
 
 Bad input ends the program with one line naming the fix, no traceback: gin errors (unknown parameter,
 unknown configurable, missing REQUIRED macro) and every `portable_rl.errors.UserError` (unknown engine /
@@ -100,11 +101,11 @@ def register_library() -> None:
     register_configurable(tis.from_preset, name="from_preset", module="tis")
     parts = {name: register_configurable(cls, module="rl") for name, cls in dapo_parts().items()}
     CONFIG_OBJECTS.update(
-        run=register_configurable(rl_config.RunConfig, module="rl"),
-        algorithm=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
+        run_config=register_configurable(rl_config.RunConfig, module="rl"),
+        dapo=register_configurable(with_config_defaults(dapo.DapoConfig, parts), name="DapoConfig", module="rl"),
         correction=register_configurable(tis.RolloutCorrectionConfig, module="tis"),
         precision=register_configurable(rl_config.PrecisionConfig, module="rl"),
-        memory=register_configurable(MemoryConfig, module="learner"),
+        memory=register_configurable(MemoryConfig, module="learner_jax"),
         diagnostics=register_configurable(rl_config.DiagnosticsConfig, module="rl"),
         environment=register_configurable(rl_config.EnvironmentConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
@@ -116,7 +117,7 @@ def register_library() -> None:
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
     from portable_rl.rl.colocation import MemoryPlan
 
-    register_configurable(MemoryPlan)  # gin/colocate.gin
+    register_configurable(MemoryPlan, module="rl")  # gin/colocate.gin
     _REGISTERED = True
 
 
@@ -143,7 +144,7 @@ MOVED = {
         "eval_max_tokens", "eval_size", "checkpoint_every", "keep_checkpoints")},
     **{f"train.{name}": f"rl.PrecisionConfig.{name}" for name in (
         "param_dtype", "master_dtype", "compute_dtype", "smoothquant_alpha")},
-    **{f"train.{name}": f"learner.MemoryConfig.{name}" for name in (
+    **{f"train.{name}": f"learner_jax.MemoryConfig.{name}" for name in (
         "attention_impl", "pack_sequences", "share_prompts", "max_tokens_per_micro_batch", "logprob_chunk_tokens",
         "remat")},
     "train.probe_prompts": "rl.DiagnosticsConfig.probe_prompts",
@@ -151,7 +152,14 @@ MOVED = {
                                     "rl.DiagnosticsConfig.disabled = ['update_survival'])",
     "train.mismatch_split": "rl.DiagnosticsConfig.disabled = ['mismatch_split'] (to turn it off)",
     "train.progress": "nothing: the progress bar shows on a terminal only",
+    "train.run": "train.run_config",
+    "train.algorithm": "train.dapo",
 }
+
+
+# Configurables renamed so that gin names match module paths → their names now. (`MemoryPlan`, now
+# `rl.MemoryPlan`, is not here: gin still resolves the bare name, as it does every unambiguous short name.)
+RENAMED = {"learner.MemoryConfig": "learner_jax.MemoryConfig"}
 
 
 def moved_dapo_fields() -> dict[str, str]:
@@ -387,6 +395,10 @@ def _hint(msg: str) -> str:
         if close:
             return f" (did you mean {close[0]!r}?)"
         return f" (parameters of {bad_param.group(1)}: {', '.join(params)})"
+    unknown = re.search(r"No configurable matching (?:reference )?'@?([\w./]+?)(?:\(\))?'", msg)
+    renamed = RENAMED.get(unknown.group(1).split("/")[-1]) if unknown else None
+    if renamed:
+        return f" (it was renamed: use {renamed})"
     bad_ref = re.search(r"No configurable matching reference '@([\w./]+?)(\(\))?'", msg)
     if bad_ref:
         wanted = bad_ref.group(1).split("/")[-1]

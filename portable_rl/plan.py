@@ -93,7 +93,7 @@ class Plan:
     data: dict
 
 
-def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, algorithm,
+def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, dapo,
          engine: EngineSettings, memory_plan, environ: Mapping[str, str],
          full_compile: bool = False) -> Plan:
     """The plan of a run (module doc) from its config objects; compiles the learner update (cached)."""
@@ -109,14 +109,14 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     learner_devices = gpus if mesh_cfg is not None else 1
     mesh = mesh_shape(mesh_cfg, learner_devices) if mesh_cfg is not None else (1, 1, 1, 1)  # data, fsdp, expert, tensor
     shards = mesh[0] * mesh[1] * mesh[2]  # the batch's rows split over data, fsdp and expert
-    gen, loss = algorithm.generation, algorithm.loss
+    gen, loss = dapo.generation, dapo.loss
     max_len = engine.max_model_len
     if max_len < gen.max_response_tokens:
         warnings.append(f"MAX_MODEL_LEN={max_len} < max_response_tokens={gen.max_response_tokens}: the engine cannot "
                         "hold a full answer; set MAX_MODEL_LEN to the longest prompt + MAX_RESPONSE_TOKENS")
     budget = memory.max_tokens_per_micro_batch
     if budget is not None and budget < max_len:
-        warnings.append(f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} < MAX_MODEL_LEN={max_len}: a "
+        warnings.append(f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={budget} < MAX_MODEL_LEN={max_len}: a "
                         "full-length sequence would stop the run (sequences are never split); raise it")
     rows, row_tokens, micro = micro_batch_layout(memory, sequences=loss.mini_batch_size * gen.n_samples,
                                                  shards=shards, max_len=max_len)
@@ -135,7 +135,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     em = engine_memory(hf, engine.quantization, engine.tensor_parallel)
     costs = memory_plan or MemoryPlan(learner_peak_gb=None)   # the engine's and the runtime's allowances
     overhead_gb, asleep_gb, reserve_gb = costs.engine_overhead_gb, costs.engine_asleep_gb, costs.reserve_gb
-    batch_seqs = algorithm.data.prompt_batch_size * gen.n_samples
+    batch_seqs = dapo.data.prompt_batch_size * gen.n_samples
 
     active = active_param_count(hf)
     moe = (f" ({active / 1e9:.2f} B active: top-{hf['num_experts_per_tok']} of "
@@ -299,9 +299,9 @@ def _suggest(*, peak, state, grads, learner_devices, m, em, hf, engine, gpus, ov
         out.append("a tensor axis in the learner's mesh (--gin.MESH_TENSOR=8: each layer's gathered weights and "
                    "activations split 8 ways; re-plan)")
     if memory.remat != "full":
-        out.append("learner.MemoryConfig.remat='full' (the largest single saving; re-plan)")
+        out.append("learner_jax.MemoryConfig.remat='full' (the largest single saving; re-plan)")
     if memory.max_tokens_per_micro_batch and memory.max_tokens_per_micro_batch // 2 >= max_len:
-        out.append(f"learner.MemoryConfig.max_tokens_per_micro_batch={memory.max_tokens_per_micro_batch // 2} "
+        out.append(f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={memory.max_tokens_per_micro_batch // 2} "
                    "(activations ~halve; re-plan)")
     for n in sorted({gpus * k for k in (2, 3, 4, 6, 8, 12, 16)} | {16, 24, 32, 48, 64, 96, 128}):
         if n > gpus and fits_on(n, min(8, max(em.tensor_parallel, 1))):
@@ -352,7 +352,7 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
     except ValueError:
         mesh_cfg = None
     result = plan(hf=hf, model_source=source, gpus=args.gpus, device_gb=device_gb, precision=objects["precision"](),
-                  memory=objects["memory"](), mesh_cfg=mesh_cfg, algorithm=objects["algorithm"](),
+                  memory=objects["memory"](), mesh_cfg=mesh_cfg, dapo=objects["dapo"](),
                   engine=gin_utils.engine_settings(), memory_plan=gin_utils.run_memory_plan(learner_devices=args.gpus),
                   environ=environ,
                   full_compile=args.full_compile)

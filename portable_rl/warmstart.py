@@ -78,7 +78,7 @@ def warmstart(*, output_dir: str, task, family: str = "qwen2", size: str = "tiny
     from portable_rl.learner_jax.step import make_train_step
     from portable_rl.rl.batching import pack_rollouts
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     if base_model_path and not (Path(base_model_path) / "config.json").exists():
         raise ConfigError(f"warmstart.base_model_path={base_model_path!r} holds no HF checkpoint; for SmolLM2 run "

@@ -138,7 +138,7 @@ def main():
 
     from portable_rl.engines import create_engine
     from portable_rl.engines.probe import compare_logprobs
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     import sglang
 

@@ -2,7 +2,7 @@
 
 Two workers (pytest-xdist, the README's `-n 2 --dist loadfile`): each test file is one work unit, run whole
 on one worker, so a module-scoped fixture (an engine, a warm start, the multi-process launches) is built
-once; the files that start a local Ray cluster share one unit (portable_rl/testing/xdist_files.py says why
+once; the files that start a local Ray cluster share one unit (tests/xdist_files.py says why
 this is not xdist's `loadgroup`). Units go out slowest first (`SLOWEST_FIRST`), so the session does not end
 with one long file running alone; without xdist that order applies too.
 
@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None  # any other --dist: xdist's own scheduler
-    from portable_rl.testing.xdist_files import file_scheduler
+    from xdist_files import file_scheduler
     return file_scheduler({name: "ray" for name in RAY_FILES})(config, log)
 
 

@@ -56,7 +56,7 @@ def cli_inputs(tmp_path_factory):
     import jax.numpy as jnp
     from portable_rl.convert.hf import load_hf_model
     from portable_rl.learner_jax.checkpoint import Checkpointer
-    from portable_rl.testing import char_tokenizer, make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import char_tokenizer, make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("bad_cli")
     model_dir = Path(make_tiny_checkpoint(root / "model"))          # vocab_size 128
@@ -91,12 +91,12 @@ CLI_CASES = {
                                             "point MODEL_PATH at a checkpoint"),
     "checkpoint": (["--gin.RUN_DIR={run}"], "{run}/checkpoints/4 cannot be restored"),
     # (no dynamic sampling: the random model's groups all score 0 and would all be dropped before the learner)
-    "budget": (["--gin.learner.MemoryConfig.max_tokens_per_micro_batch=4", "--gin.rl.DataConfig.dynamic_sampling=False"],
-               "does not fit learner.MemoryConfig.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
+    "budget": (["--gin.learner_jax.MemoryConfig.max_tokens_per_micro_batch=4", "--gin.rl.DataConfig.dynamic_sampling=False"],
+               "does not fit learner_jax.MemoryConfig.max_tokens_per_micro_batch=4 (sequences are never split); raise it to at least"),
     # the learner's memory knobs (learner_jax.memory.MemoryConfig, learner_jax.attention)
-    "attention": (["--gin.learner.MemoryConfig.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
+    "attention": (["--gin.learner_jax.MemoryConfig.attention_impl='cudnn'"], "attention_impl='cudnn' needs a GPU (backend here: cpu); "
                                                           "use 'blockwise' (or 'auto')"),
-    "remat": (["--gin.learner.MemoryConfig.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
+    "remat": (["--gin.learner_jax.MemoryConfig.remat='dots'"], "remat='dots'; use one of ('none', 'full', 'dots_saveable'"),
     "algorithm": (["--gin.rl.GenerationConfig.n_samples=1"], "n_samples=1: group advantages need at least 2 samples"),
     "correction": (["--gin.tis.RolloutCorrectionConfig.clip=-1.0"], "clip must be > 0 (or None for untruncated IS)"),
     # bypass keeps the default run's token TIS: the weights would count the PPO ratio's IS twice
@@ -180,7 +180,7 @@ def test_unknown_parameter_names_the_close_match_or_the_valid_ones():
     assert "(did you mean 'eval_size'?)" in message("rl.RunConfig.eval_sise = 4")
     assert "(it moved: set rl.GenerationConfig.n_samples)" in message("rl.DapoConfig.n_samples = 4")
     unrelated = message("train.zzz = 1")
-    assert "parameters of train: run, engine_factory, task, algorithm" in unrelated and "\n" not in unrelated
+    assert "parameters of train: run_config, engine_factory, task, dapo" in unrelated and "\n" not in unrelated
 
 
 def test_every_user_facing_error_is_a_user_error():
@@ -368,7 +368,7 @@ def test_nonfinite_logprobs_are_masked_counted_and_stop_the_run(cli_inputs):
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import build_batch
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.rollout import NonFiniteLogprobsError, check_nonfinite_fraction, collect_groups
     from portable_rl.tasks import ArithmeticTask, get_reward

@@ -205,23 +205,6 @@ def test_rollout_decode_summary_ratios_against_the_faster_unquantized_arm():
                                                                     ["c", "a", "b"], ["a", "b", "c"]]
 
 
-def test_rollout_decode_forces_the_length_where_the_adapter_builds_its_sampling_params():
-    """`--decode` forces every request to max_tokens by swapping `vllm.SamplingParams` for one with ignore_eos
-    while `generate` runs; that reaches vLLM only while the adapter looks the class up at call time."""
-    import inspect
-
-    import vllm
-
-    from benchmarks.rollout import _ForcedLength
-    from portable_rl.engines.vllm_adapter import VLLMEngine
-
-    assert "from vllm import SamplingParams" in inspect.getsource(VLLMEngine.generate)
-    original = vllm.SamplingParams
-    with _ForcedLength():
-        assert vllm.SamplingParams(max_tokens=3).ignore_eos
-    assert vllm.SamplingParams is original and not vllm.SamplingParams(max_tokens=3).ignore_eos
-
-
 @pytest.mark.slow
 def test_rollout_decode_writes_every_call(tmp_path):
     """`--decode` end to end on the tiny model (2 arms, 2 reps, 4 tokens: structure, not speed): the raw file

@@ -18,7 +18,7 @@ import pytest
 
 from portable_rl import cluster
 from portable_rl.launch import COORDINATOR, NUM_PROCESSES, PROCESS_ID, free_port
-from portable_rl.testing.processes import alive
+from processes import alive
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH = REPO / "scripts/slurm/portable_rl.sbatch"
@@ -165,7 +165,7 @@ def _stop(procs: dict[str, subprocess.Popen], timeout_s: float = 60) -> None:
 def test_the_sbatch_roles_train_two_steps_on_a_local_ray_cluster(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("vllm")
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     lines = role_lines(SBATCH)
     assert sorted(lines) == ["engines", "head", "learner"]

@@ -58,7 +58,7 @@ class RecordingEngine(EngineAdapter):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("colocation") / "model")
 
@@ -77,7 +77,7 @@ def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True):
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import RunConfig
     from portable_rl.rl.config import DiagnosticsConfig
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.tasks import ArithmeticTask
     from portable_rl.train import train
 
@@ -98,10 +98,10 @@ def _run(tiny, run_dir, steps, log, budget, monkeypatch, partial=True):
                      max_response_tokens=4, mini_batch_size=2)
     from portable_rl.learner_jax.optim import make_optimizer
 
-    rows = train(run=RunConfig(run_dir=str(run_dir), train_steps=steps, model_path=tiny, eval_every=0,
+    rows = train(run_config=RunConfig(run_dir=str(run_dir), train_steps=steps, model_path=tiny, eval_every=0,
                                checkpoint_every=1),
                  engine_factory=engine_factory, optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
-                 task=ArithmeticTask(num_digits=1, num_eval=2, seed=0), algorithm=cfg,
+                 task=ArithmeticTask(num_digits=1, num_eval=2, seed=0), dapo=cfg,
                  diagnostics=DiagnosticsConfig(probe_prompts=1), memory_plan=budget)
     return rows, built
 

@@ -19,7 +19,7 @@ from portable_rl.convert import copy_tokenizer_files, load_hf_model, param_mappi
 from portable_rl.convert.to_torch import iter_hf_tensors, jax_to_torch
 from portable_rl.engines.buckets import bucketed
 from portable_rl.learner_jax.config import ModelConfig
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 
 def read_tensors(path) -> dict[str, torch.Tensor]:
@@ -279,7 +279,7 @@ def test_tiny_checkpoint_smallest_vocab_fits_its_tokenizer(tmp_path, family):
     """The smallest vocab_size make_tiny_checkpoint accepts is one the codec's vocabulary check accepts;
     one less is refused before anything is written."""
     from portable_rl.rl.codec import TextCodec
-    from portable_rl.testing.tiny_checkpoint import min_vocab_size
+    from portable_rl.convert.tiny_checkpoint import min_vocab_size
 
     smallest = min_vocab_size(family)
     path = make_tiny_checkpoint(tmp_path / "ok", family, vocab_size=smallest)

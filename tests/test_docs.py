@@ -85,7 +85,7 @@ def test_every_gin_name_in_the_docs_is_a_real_knob():
     from portable_rl import gin_utils
 
     owners = _reference_knobs()
-    assert "rl.DapoConfig" in owners and "learner.MemoryConfig" in owners
+    assert "rl.DapoConfig" in owners and "learner_jax.MemoryConfig" in owners
     moved = {**gin_utils.MOVED, **gin_utils.moved_dapo_fields()}
     problems = []
     for path in _user_docs():

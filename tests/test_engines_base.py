@@ -17,7 +17,8 @@ def test_sampling_rejects_truncation_unless_allowed():
     with pytest.raises(ValueError, match="learner"):
         SamplingConfig(top_k=50)
     assert SamplingConfig(top_k=50, allow_truncated_sampling=True).top_k == 50
-    for bad in (dict(temperature=-0.1), dict(max_tokens=0), dict(n=0)):
+    for bad in (dict(temperature=-0.1), dict(max_tokens=0), dict(n=0), dict(min_tokens=-1),
+                dict(max_tokens=4, min_tokens=5)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     assert SamplingConfig(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # hashable, frozen
@@ -156,7 +157,7 @@ def test_blockwise_start_checkpoint_is_written_once_and_atomically(tmp_path, mon
 
     from portable_rl.engines import quantize
     from portable_rl.engines.quantize import SOURCE_MARKER, ensure_blockwise_fp8_checkpoint
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
     root = tmp_path / "run"

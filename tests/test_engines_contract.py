@@ -34,7 +34,7 @@ import pytest
 
 from portable_rl.engines import available_engines, registry
 from portable_rl.engines.probe import ProbeMismatchError
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 from sglang_fake import FakeSGLangEngine
 
 TESTS = Path(__file__).resolve().parent

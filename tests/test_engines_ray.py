@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from portable_rl.engines import SamplingConfig  # noqa: E402
 from portable_rl.engines.ray_fleet import (RayEngineFleet, pack_bucket, shard_bounds, shard_sampling,  # noqa: E402
                                            unpack_bucket)
-from portable_rl.testing.perturb import perturbed  # noqa: E402
+from perturb import perturbed  # noqa: E402
 
 PROMPTS = [[1, 40 + i, 41, 42 + i % 3] for i in range(7)]
 SAMPLING = SamplingConfig(temperature=0.8, max_tokens=12, n=2, seed=11)
@@ -122,7 +122,7 @@ def test_gin_composes_a_vllm_fleet(tmp_path):
 # --------------------------------------------------------------------------------------- real engines
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ray") / "qwen2", "qwen2")
 

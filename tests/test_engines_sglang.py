@@ -23,7 +23,7 @@ from portable_rl.engines import SamplingConfig, create_engine
 from portable_rl.engines.checkpoint import WeightUpdateError
 from portable_rl.engines.sglang_adapter import SGLangEngine, SGLangWeightUpdateError
 from portable_rl.errors import ConfigError
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 from sglang_api import ENGINE_METHODS, find_source, load_recorded, read_api
 from sglang_fake import API, EngineProcessDied, FakeSGLangEngine, recorded_signature
 

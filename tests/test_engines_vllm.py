@@ -27,8 +27,8 @@ from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.engines.probe import ProbeMismatchError, compare_logprobs, run_probe  # noqa: E402
 from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
 from portable_rl.learner_jax.logprobs import sequence_logprobs  # noqa: E402
-from portable_rl.testing.perturb import perturbed  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from perturb import perturbed  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -95,6 +95,9 @@ def test_stop_token_ends_with_finish_reason_stop(bf16_engine):
                                                                stop_token_ids=(stop,)))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.response_token_ids[-1] == stop and len(stopped.response_token_ids) <= 3
+    forced = bf16_engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=8, min_tokens=8,
+                                                              stop_token_ids=(stop,)))[0]
+    assert forced.finish_reason == "length" and len(forced.response_token_ids) == 8  # min_tokens masks the stop
 
 
 def test_bf16_logprobs_match_learner_at_temperature(bf16_engine, learner):

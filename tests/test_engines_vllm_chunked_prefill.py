@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -28,7 +28,7 @@ from portable_rl.engines import vllm_internals  # noqa: E402
 from portable_rl.engines.vllm_adapter import _int8_start_checkpoint  # noqa: E402
 from portable_rl.engines.quantize import NonFiniteWeightError, is_int8_checkpoint  # noqa: E402
 from portable_rl.rl.sync import push_weights  # noqa: E402
-from portable_rl.testing.perturb import perturbed  # noqa: E402
+from perturb import perturbed  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 from portable_rl.convert.hf import copy_tokenizer_files, load_hf_model, save_hf_model  # noqa: E402
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine, vllm_adapter  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from portable_rl.testing.perturb import perturbed  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from perturb import perturbed  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

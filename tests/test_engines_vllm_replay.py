@@ -21,8 +21,8 @@ from portable_rl.convert import load_hf_model  # noqa: E402
 from portable_rl.engines import SamplingConfig, create_engine  # noqa: E402
 from portable_rl.rl.batching import pack_rollouts  # noqa: E402
 from portable_rl.rl.learner import Learner  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

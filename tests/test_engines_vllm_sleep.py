@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from portable_rl.engines import vllm_adapter  # noqa: E402
 from portable_rl.engines.base import SamplingConfig  # noqa: E402
 from portable_rl.engines.vllm_adapter import VLLMEngine, llm_kwargs  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

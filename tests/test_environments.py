@@ -23,8 +23,8 @@ from portable_rl.rl.rollout import ScoredGroup, collect_groups
 from portable_rl.rl.scoring import generate_and_score
 from portable_rl.rl.turns import EnvironmentPromptError, run_trajectories, turn_seed
 from portable_rl.tasks import ArithmeticTask, Example, get_reward
-from portable_rl.testing import char_tokenizer
-from portable_rl.testing.configs import dapo_config
+from portable_rl.convert.tiny_checkpoint import char_tokenizer
+from portable_rl.rl.dapo import dapo_config
 
 
 @register_environment("test_calculator")
@@ -310,7 +310,7 @@ def bpe_tokenizer(vocab_size=128):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from portable_rl.testing.tiny_checkpoint import CHARS, SPECIAL_TOKENS
+    from portable_rl.convert.tiny_checkpoint import CHARS, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="isolated")

@@ -25,8 +25,8 @@ from portable_rl.rl.learner import Learner  # noqa: E402
 from portable_rl.rl.rollout import ScoredGroup  # noqa: E402
 from portable_rl.rl.scoring import generate_and_score  # noqa: E402
 from portable_rl.tasks import Example  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 from test_environments import Forever, bpe_tokenizer, retokenization_drift  # noqa: E402,F401  (registers test_forever)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -123,11 +123,11 @@ def test_training_steps_on_two_turn_trajectories_report_per_turn_mismatch(tmp_pa
     ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", dtype="float32")
     engine_factory = lambda model_path, **kwargs: create_engine(  # noqa: E731
         "vllm", model_path=model_path, engine_init_kwargs=dict(dtype="float32"), **kwargs)
-    rows = train(run=RunConfig(run_dir=str(tmp_path / "run"), train_steps=2, model_path=ckpt, eval_every=0,
+    rows = train(run_config=RunConfig(run_dir=str(tmp_path / "run"), train_steps=2, model_path=ckpt, eval_every=0,
                                checkpoint_every=2, async_rollouts=True),
                  engine_factory=engine_factory, optimizer_factory=lambda: make_optimizer(learning_rate=1e-4),
                  task=ArithmeticTask(num_digits=1, num_eval=2, seed=0),
-                 algorithm=dapo_config(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
+                 dapo=dapo_config(prompt_batch_size=2, n_samples=4, dynamic_sampling=False, max_gen_batches=1,
                                        max_response_tokens=6, mini_batch_size=2),
                  diagnostics=DiagnosticsConfig(disabled=("update_survival", "probe")),
                  precision=PrecisionConfig(compute_dtype="float32"),

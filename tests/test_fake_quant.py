@@ -119,7 +119,7 @@ def engines(tmp_path_factory):
     from safetensors.torch import save_file
 
     from portable_rl.engines import create_engine
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("fake_quant")
     ckpt = make_tiny_checkpoint(root / "bf16", "qwen2")

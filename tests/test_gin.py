@@ -77,7 +77,7 @@ def test_train_recipes_parse_and_resolve(name, fresh_gin, data_files, tmp_path):
     assert gin_utils.query_value("rl.RunConfig.run_dir") == f"{tmp_path}/run"
     assert gin_utils.query_value("rl.RunConfig.train_steps") == 7
     bound = _train_arguments()
-    cfg, corr, task = bound["algorithm"], bound["correction"], bound["task"]
+    cfg, corr, task = bound["dapo"], bound["correction"], bound["task"]
     assert type(cfg).__name__ == "DapoConfig" and type(corr).__name__ == "RolloutCorrectionConfig"
     assert task.train_batch(0, 0, 2) and task.eval_examples()
     bound["optimizer_factory"]()  # builds the optax transformation

@@ -108,7 +108,7 @@ def test_per_prompt_gradients_add_up_to_the_one_mini_batch_gradient(correction, 
     from portable_rl.rl.dapo import build_batch
     from portable_rl.rl.learner import Learner
     from portable_rl.rl.rollout import ScoredGroup
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     import optax
     from test_micro_batches import CFG
 
@@ -214,7 +214,7 @@ def test_on_policy_floor_detects_a_perturbed_engine_and_token_tis_moves_it_back(
     unlikely carry large ∇log π); docs/experiments/gradient_fidelity.md shows that regime on the toy."""
     pytest.importorskip("vllm")
     from portable_rl.tasks import ArithmeticTask
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     _digit_reward()
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "qwen2", init_std=0.5, dtype="float32")

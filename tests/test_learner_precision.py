@@ -17,7 +17,7 @@ from portable_rl.rl.config import PrecisionConfig
 from portable_rl.rl.diagnostics import probe_rows
 from portable_rl.rl.learner import Learner
 from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, quantized_learner, with_quantized_projections
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from test_micro_batches import ragged_batch
 from test_mismatch_split import CONFIG, PROMPTS, RESPONSES
 

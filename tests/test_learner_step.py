@@ -20,7 +20,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.rl import learner as learner_lib
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
 from test_micro_batches import CFG, TX, ragged_batch
 
@@ -111,7 +111,7 @@ def test_bypass_equals_decoupled_when_rollout_is_the_old_policy(own_batch):
     for mode, correction in (("bypass", NONE), ("decoupled", NONE), ("decoupled", TOKEN_TIS)):
         learner = make_learner(mode, correction)
         before = params(learner)
-        learner.step(own_batch)
+        learner.update(learner.prepare(own_batch))
         updated[mode, correction.mode] = params(learner)
     moved = max_diff(updated["decoupled", "none"], before)
     assert moved > 1e-3
@@ -120,20 +120,21 @@ def test_bypass_equals_decoupled_when_rollout_is_the_old_policy(own_batch):
 
     shifted = dict(own_batch, rollout_logprobs=own_batch["rollout_logprobs"] - 0.3 * own_batch["response_mask"])
     bypass, decoupled = make_learner("bypass"), make_learner("decoupled")
-    bypass.step(shifted)
-    decoupled.step(shifted)
+    bypass.update(bypass.prepare(shifted))
+    decoupled.update(decoupled.prepare(shifted))
     assert max_diff(params(decoupled), updated["decoupled", "none"]) <= 1e-5 * moved  # ignores rollout lp
     assert max_diff(params(bypass), updated["bypass", "none"]) > 1e-2 * moved       # ratio π_θ / π_rollout
 
 
-def test_step_is_update_of_prepare_and_stale_batches_are_refused(batch):
+def test_prepare_then_update_is_deterministic_and_stale_batches_are_refused(batch):
     a, b = make_learner("decoupled", TOKEN_TIS), make_learner("decoupled", TOKEN_TIS)
     prepared = a.prepare(batch)
-    via_parts = {**prepared.metrics, **a.update(prepared)}
-    via_step = b.step(batch)
-    assert via_step.keys() == via_parts.keys()
-    for k, v in via_parts.items():
-        assert via_step[k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
+    first = {**prepared.metrics, **a.update(prepared)}
+    again = b.prepare(batch)
+    second = {**again.metrics, **b.update(again)}
+    assert second.keys() == first.keys()
+    for k, v in first.items():
+        assert second[k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
     assert max_diff(params(a), params(b)) == 0.0
     # the old logprobs of `prepared` are of the policy before a's update: using it again would be stale
     with pytest.raises(ValueError, match="1 update\\(s\\) ran since; prepare it again"):
@@ -194,7 +195,7 @@ def test_deferred_first_mini_batch_skips_its_forward_and_equals_recompute(batch,
 
 
 def test_completing_the_deferred_mini_batch_equals_recomputing_it(batch):
-    """complete_deferred on what the loss's own forward returns for the deferred micro-batches (their old
+    """DeferredMiniBatch.complete on what the loss's own forward returns for the deferred micro-batches (their old
     logprobs, stop-gradient, and token TIS weights) gives the PreparedBatch that recomputing them in a
     separate forward gives: old logprobs, weights, micro-batches and tis/* metrics, to fp32 tolerance.
     Three mini-batches (the first deferred), each in 48-token micro-batches."""
@@ -204,12 +205,12 @@ def test_completing_the_deferred_mini_batch_equals_recomputing_it(batch):
     want = make_learner("decoupled", TOKEN_TIS, False, mini_batch_size=1, memory=memory).prepare(batch)
     assert len(prepared.micro_batches) == 3 and len(prepared.micro_batches[0]) > 1
     index = prepared.deferred.index
-    assert not any(k in mb for mb in prepared.micro_batches[index] for k in learner_lib.DEFERRED_KEYS)
+    assert not any(k in mb for mb in prepared.micro_batches[index] for k in learner_lib.DeferredMiniBatch.KEYS)
     assert not any(k.startswith("tis/") for k in prepared.metrics)
     loss_fn = learner_lib.make_loss_fn(deferring.cfg.loss, 1.0, None, TOKEN_TIS)
-    rows = [{k: np.asarray(loss_fn(deferring.model, mb)[1][k]) for k in learner_lib.DEFERRED_KEYS}
+    rows = [{k: np.asarray(loss_fn(deferring.model, mb)[1][k]) for k in learner_lib.DeferredMiniBatch.KEYS}
             for mb in prepared.micro_batches[index]]
-    got = learner_lib.complete_deferred(prepared, rows, TOKEN_TIS)
+    got = prepared.deferred.complete(prepared, rows, TOKEN_TIS)
     assert got.deferred is None and prepared.deferred is not None and prepared.micro_batches is not got.micro_batches
     np.testing.assert_allclose(got.old_logprobs, want.old_logprobs, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.tis_weights, want.tis_weights, rtol=1e-5, atol=1e-6)

@@ -24,10 +24,10 @@ def setup(tmp_path_factory):
     from portable_rl.engines.base import Rollout
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.dapo import build_batch
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.rollout import ScoredGroup
     from portable_rl.tasks import ArithmeticTask
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("equiv") / "model", dtype="float32")
     codec = TextCodec(path)

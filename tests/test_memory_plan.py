@@ -13,7 +13,7 @@ import pytest
 from portable_rl.errors import UserError
 from portable_rl.rl.colocation import (ALLOCATOR, GB, MEM_FRACTION, PREALLOCATE, MemoryPlan, MemoryPlanError,
                                         checkpoint_bytes, kv_bytes_per_token)
-from portable_rl.testing.shapes_only import write_shapes_only_checkpoint
+from portable_rl.planning.shapes_only import write_shapes_only_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,

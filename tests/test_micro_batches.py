@@ -21,7 +21,7 @@ from portable_rl.learner_jax.memory import MemoryConfig
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.learner_jax.optim import make_optimizer
 from portable_rl.rl.batching import MicroBatchBudgetError, pack_rollouts
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
 
 CFG = ModelConfig(family="qwen3", vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -100,7 +100,7 @@ def test_sequence_over_the_token_budget_is_a_one_line_error(batch):
     with pytest.raises(MicroBatchBudgetError) as e:
         learner.prepare(batch)
     assert str(e.value) == (f"a sequence of {longest} tokens (prompt + response) does not fit "
-                            f"learner.MemoryConfig.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
+                            f"learner_jax.MemoryConfig.max_tokens_per_micro_batch=16 (sequences are never split); raise it to at "
                             f"least {longest}")
     assert isinstance(e.value, ValueError)
 

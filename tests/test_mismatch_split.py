@@ -18,14 +18,15 @@ from portable_rl.convert.mapping import param_mappings
 from portable_rl.engines.base import Rollout
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.model import Transformer
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.learner import Learner
-from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving, probe_rows
+from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, probe_rows
+from portable_rl.rl.sync import Serving
 from portable_rl.rl.mismatch_split import quantized_learner, with_quantized_projections
 from portable_rl.rl.multihost import Processes
 from portable_rl.learner_jax.quantize import served_fp8_per_channel
-from portable_rl.rl.update_survival import projection_paths
-from portable_rl.testing.perturb import perturbed
+from portable_rl.rl.served_view import projection_paths
+from perturb import perturbed
 
 CONFIG = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)

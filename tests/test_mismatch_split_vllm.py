@@ -24,11 +24,12 @@ from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import get_param, load_hf_model  # noqa: E402
 from portable_rl.convert.to_torch import iter_hf_tensors  # noqa: E402
 from portable_rl.engines import create_engine, vllm_internals  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 from portable_rl.rl.learner import Learner  # noqa: E402
-from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic, Serving  # noqa: E402
+from portable_rl.rl.diagnostics import MismatchSplitDiagnostic, ProbeDiagnostic  # noqa: E402
+from portable_rl.rl.sync import Serving  # noqa: E402
 from portable_rl.rl.mismatch_split import with_quantized_projections  # noqa: E402
-from portable_rl.testing import make_tiny_checkpoint  # noqa: E402
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -15,7 +15,7 @@ from portable_rl.convert import load_hf_model
 from portable_rl.learner_jax import model as model_lib
 from portable_rl.learner_jax import attention as attention_lib
 from portable_rl.learner_jax.logprobs import sequence_logprobs
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 B, T, PROMPT = 6, 24, 6
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from portable_rl.convert import load_hf_model
 from portable_rl.learner_jax.logprobs import sequence_logprobs, token_logprobs
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 B, T = 2, 24
 # qwen2 is tied; qwen3/llama untied; llama uses llama3 RoPE scaling, llama_plain plain RoPE;

@@ -23,7 +23,7 @@ from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.logprobs import sequence_logprobs
 from portable_rl.learner_jax.model import Transformer
 from portable_rl.learner_jax.moe import Experts, load_balancing_loss
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 B, T = 2, 16
 DIMS = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

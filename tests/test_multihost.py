@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from portable_rl.testing.processes import alive
+from processes import alive
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

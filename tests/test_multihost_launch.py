@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from portable_rl.testing.processes import alive
+from processes import alive
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = "tests.test_multihost_launch"  # run by the launcher as `python -m tests.test_multihost_launch`

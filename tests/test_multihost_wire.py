@@ -7,7 +7,7 @@ import pytest
 
 from portable_rl.engines.base import Rollout
 from portable_rl.rl.dapo import build_batch
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.multihost import Processes, decode, encode, groups_from_wire, groups_to_wire, wire_bytes
 from portable_rl.rl.rollout import ScoredGroup
 

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from portable_rl.engines.quantize import (FP8_MAX, dequantize_blockwise_fp8, is_quantized_projection,
                                           quantize_blockwise_fp8, quantize_named_tensors_blockwise,
                                           write_blockwise_fp8_checkpoint)
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 # float8_e4m3fn has 3 mantissa bits: round-to-nearest relative error <= 2**-4 for normal values.
 E4M3_REL_ERR = 2.0 ** -4

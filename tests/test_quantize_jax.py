@@ -46,7 +46,7 @@ def test_export_pushes_int8_and_scales_for_projections_only(tmp_path):
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.checkpoint import read_checkpoint_shapes
     from portable_rl.engines.quantize import is_quantized_projection, write_int8_checkpoint
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "bf16", "qwen2")
     model, config = load_hf_model(src, param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -72,7 +72,7 @@ def test_export_refuses_nan_before_yielding_it(tmp_path):
     from portable_rl.convert.mapping import param_mappings
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.quantize import is_quantized_projection
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     model, config = load_hf_model(make_tiny_checkpoint(tmp_path / "bf16", "qwen2"), param_dtype=jnp.float32,
                                   compute_dtype=jnp.float32)
@@ -129,7 +129,7 @@ def test_moe_export_quantizes_every_expert_as_the_engine_and_keeps_routers_float
     from portable_rl.convert.to_torch import iter_hf_tensors
     from portable_rl.engines.checkpoint import read_checkpoint_shapes
     from portable_rl.engines.quantize import is_quantized_weight, write_int8_checkpoint
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
     model, config = load_hf_model(src, param_dtype=jnp.float32, compute_dtype=jnp.float32)
@@ -150,7 +150,7 @@ def test_moe_export_quantizes_every_expert_as_the_engine_and_keeps_routers_float
 def test_moe_export_names_the_expert_holding_nan(tmp_path):
     from portable_rl.convert.hf import get_param, load_hf_model
     from portable_rl.convert.to_torch import iter_hf_tensors
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     model, config = load_hf_model(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe"), param_dtype=jnp.float32,
                                   compute_dtype=jnp.float32)

@@ -14,7 +14,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.rl.config import DataConfig, GenerationConfig, LossConfig, PrecisionConfig, RunConfig, SafetyConfig, ShapeConfig
 from portable_rl.rl.dapo import DapoConfig
 from portable_rl.rl.config import DiagnosticsConfig
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # DapoConfig's defaults when it was one flat dataclass: the parts must keep them.
@@ -60,10 +60,12 @@ def test_gin_binds_each_part_without_a_reference_to_it():
 
 @pytest.mark.parametrize("old, new", [("rl.DapoConfig.n_samples = 4", "rl.GenerationConfig.n_samples"),
                                       ("rl.DapoConfig.clip_eps_high = 0.3", "rl.LossConfig.clip_eps_high"),
-                                      ("train.attention_impl = 'dense'", "learner.MemoryConfig.attention_impl"),
+                                      ("train.attention_impl = 'dense'", "learner_jax.MemoryConfig.attention_impl"),
                                       ("train.seed = 3", "rl.RunConfig.seed"),
                                       ("train.compute_dtype = 'float32'", "rl.PrecisionConfig.compute_dtype"),
-                                      ("train.mismatch_split = False", "rl.DiagnosticsConfig.disabled")])
+                                      ("train.mismatch_split = False", "rl.DiagnosticsConfig.disabled"),
+                                      ("train.algorithm = @rl.DapoConfig()", "train.dapo"),
+                                      ("train.run = @rl.RunConfig()", "train.run_config")])
 def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
     from portable_rl.train import register_gin
 
@@ -80,6 +82,22 @@ def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
     assert f"it moved: set {new}" in message and "\n" not in message
 
 
+def test_a_renamed_configurable_fails_in_one_line_naming_its_new_name():
+    from portable_rl.train import register_gin
+
+    register_gin()
+    try:
+        with pytest.raises(SystemExit) as e:
+            try:
+                _parse("learner.MemoryConfig.remat = 'none'")
+            except ValueError as err:
+                gin_utils.exit_gin_error(err)
+    finally:
+        gin.clear_config()
+    message = str(e.value)
+    assert "it was renamed: use learner_jax.MemoryConfig" in message and "\n" not in message
+
+
 def test_the_gin_files_use_no_flat_name():
     texts = {p: p.read_text() for p in ROOT.glob("gin/**/*.gin")}
     moved = {**gin_utils.MOVED, **gin_utils.moved_dapo_fields()}
@@ -87,6 +105,8 @@ def test_the_gin_files_use_no_flat_name():
         for line in text.splitlines():
             name = re.match(r"\s*([\w.]+)\s*=", line)
             assert not (name and name.group(1) in moved), f"{path}: {line}"
+            assert not any(re.search(rf"(?<![\w.]){re.escape(old)}\b", line) for old in gin_utils.RENAMED), \
+                f"{path}: {line}"
 
 
 def test_parts_validate_their_own_fields_in_one_line():
@@ -98,6 +118,7 @@ def test_parts_validate_their_own_fields_in_one_line():
                                (LossConfig, dict(loss_aggregation="token_mean"), "loss_aggregation='token_mean'"),
                                (LossConfig, dict(ppo_epochs=0), "ppo_epochs=0"),
                                (LossConfig, dict(dual_clip_c=1.0), "dual_clip_c=1.0 must be > 1"),
+                               (LossConfig, dict(clip_eps_low=-0.1), "clip_eps_low=-0.1"),
                                (LossConfig, dict(overlong_buffer=-1), "overlong_buffer=-1"),
                                (LossConfig, dict(loss_norm_constant=0), "loss_norm_constant=0"),
                                (SafetyConfig, dict(max_nonfinite_fraction=2.0), "must be in \\[0, 1\\]"),

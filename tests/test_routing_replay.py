@@ -23,8 +23,8 @@ from portable_rl.rl.config import PrecisionConfig
 from portable_rl.rl.learner import Learner
 from portable_rl.rl.multihost import groups_from_wire, groups_to_wire
 from portable_rl.rl.rollout import ScoredGroup
-from portable_rl.testing import make_tiny_checkpoint
-from portable_rl.testing.configs import dapo_config
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
+from portable_rl.rl.dapo import dapo_config
 
 E, K = 6, 2                     # experts, top-k
 GROUPS, N_SAMPLES = 4, 3        # prompt groups × samples: 12 sequences, mini-batches of 2 groups
@@ -213,7 +213,7 @@ def test_multi_turn_routing_is_the_turns_routing_concatenated_in_token_order(tmp
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import EnvironmentConfig
     from portable_rl.rl.turns import run_trajectories
-    from portable_rl.testing import char_tokenizer
+    from portable_rl.convert.tiny_checkpoint import char_tokenizer
 
     class RoutingEngine(ScriptedEngine):
         """Row p of generate call c's routing: the experts (c, p mod 200), in one layer."""

@@ -114,7 +114,7 @@ def test_supports_survive_packing_and_the_multihost_wire():
 def test_config_and_engine_refusals_are_one_line():
     from portable_rl.engines.base import SamplingConfig
     from portable_rl.errors import ConfigError
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     assert dapo_config(top_p=0.8, top_k=64).generation.sampling().return_support
     assert not dapo_config().generation.sampling().truncated
@@ -144,7 +144,7 @@ def test_vllm_support_makes_top_p_logprobs_exact(tmp_path):
     from portable_rl.engines.registry import create_engine
     from portable_rl.rl import batching
     from portable_rl.rl.learner import row_logprobs
-    from portable_rl.testing import make_tiny_checkpoint
+    from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "tiny", dtype="bfloat16")
     prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]

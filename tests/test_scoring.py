@@ -5,12 +5,12 @@ import pytest
 
 from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
 from portable_rl.rl.codec import TextCodec
-from portable_rl.testing.configs import dapo_config
+from portable_rl.rl.dapo import dapo_config
 from portable_rl.rl.evaluation import evaluate_examples
 from portable_rl.rl.rollout import collect_groups
 from portable_rl.rl.scoring import generate_and_score
 from portable_rl.tasks import ArithmeticTask, get_reward
-from portable_rl.testing import char_tokenizer
+from portable_rl.convert.tiny_checkpoint import char_tokenizer
 
 
 class AnswerKeyEngine(EngineAdapter):

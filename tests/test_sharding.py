@@ -89,7 +89,7 @@ SCRIPT = textwrap.dedent(r'''
     from portable_rl.learner_jax.model import Transformer
     from portable_rl.learner_jax.optim import make_optimizer
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
     from portable_rl.rl.batching import pack_rollouts
     from portable_rl.rl.learner import Learner
 

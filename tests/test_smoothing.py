@@ -8,7 +8,7 @@ import pytest
 from portable_rl.convert.hf import get_param, load_hf_model
 from portable_rl.convert.mapping import param_mappings
 from portable_rl.convert.smoothing import Smoothing, calibrate, input_absmax, smoothing_factors
-from portable_rl.testing import make_tiny_checkpoint
+from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 
 PROMPTS = [[1, 5, 9, 14, 3, 7], [1, 22, 8, 30], [1, 4, 4, 4, 4, 4, 4, 4, 12]]
 

@@ -421,7 +421,7 @@ def test_sql_trajectories_through_the_driver_on_a_real_database(task, tmp_path):
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import EnvironmentConfig
     from portable_rl.rl.evaluation import evaluate_examples
-    from portable_rl.testing import char_tokenizer
+    from portable_rl.convert.tiny_checkpoint import char_tokenizer
 
     char_tokenizer().save_pretrained(tmp_path)
     codec = TextCodec(tmp_path)

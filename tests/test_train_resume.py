@@ -21,7 +21,7 @@ from portable_rl import tis  # noqa: E402
 from portable_rl.learner_jax.optim import make_optimizer  # noqa: E402
 from portable_rl.rl.config import RunConfig  # noqa: E402
 from portable_rl.rl.config import DiagnosticsConfig  # noqa: E402
-from portable_rl.testing.configs import dapo_config  # noqa: E402
+from portable_rl.rl.dapo import dapo_config  # noqa: E402
 from portable_rl.rl.metrics import read_metrics  # noqa: E402
 from portable_rl.tasks import ArithmeticTask  # noqa: E402
 from portable_rl.train import train  # noqa: E402
@@ -81,10 +81,10 @@ def setup(tmp_path_factory):
 
 
 def _run(root, name, task, model_path, shared):
-    return train(run=RunConfig(run_dir=str(root / name), train_steps=STEPS, model_path=model_path, seed=3,
+    return train(run_config=RunConfig(run_dir=str(root / name), train_steps=STEPS, model_path=model_path, seed=3,
                                eval_every=2, checkpoint_every=2),
                  engine_factory=shared.fresh, task=task,
-                 algorithm=dapo_config(prompt_batch_size=8, n_samples=4, max_gen_batches=2, mini_batch_size=4,
+                 dapo=dapo_config(prompt_batch_size=8, n_samples=4, max_gen_batches=2, mini_batch_size=4,
                                       max_response_tokens=4, temperature=1.0),
                  optimizer_factory=functools.partial(make_optimizer, learning_rate=1e-3),
                  correction=tis.RolloutCorrectionConfig(mode="token", clip=2.0),

@@ -96,6 +96,12 @@ def test_imported_vllm_agrees_with_the_source_canaries():
 
     assert ParallelConfig().distributed_executor_backend in vllm_internals.SAME_PROCESS_EXECUTORS
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend not in vllm_internals.SAME_PROCESS_EXECUTORS
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    assert list(inspect.signature(BaseRouter.set_capture_fn).parameters) == ["self", "capture_fn"]
+    assert isinstance(MoERunner.layer_id, property)
+    assert list(inspect.signature(GPUModelRunner._model_forward).parameters)[:3] == ["self", "input_ids", "positions"]
 
 
 def test_llm_kwargs_passes_only_the_names_the_canary_checks():

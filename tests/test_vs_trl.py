@@ -37,9 +37,9 @@ def test_setting_is_the_recipe_with_the_overrides(vs_trl):
                                           "--gin.rl.PrecisionConfig.compute_dtype='float32'"]
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe"])) == []
     assert vs_trl.ours_bindings(vs_trl.parse_args(["--ours_rollouts", "fp8", "--ours_learner", "recipe",
-                                                   "--ours_remat", "none"])) == ["--gin.learner.MemoryConfig.remat='none'"]
-    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "learner.MemoryConfig.attention_impl='blockwise'"])
-    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.learner.MemoryConfig.attention_impl='blockwise'"]
+                                                   "--ours_remat", "none"])) == ["--gin.learner_jax.MemoryConfig.remat='none'"]
+    blockwise = vs_trl.parse_args(["--ours_learner", "recipe", "--ours_gin", "learner_jax.MemoryConfig.attention_impl='blockwise'"])
+    assert vs_trl.ours_bindings(blockwise) == ["--gin.QUANTIZATION=None", "--gin.learner_jax.MemoryConfig.attention_impl='blockwise'"]
 
 
 @pytest.mark.parametrize("argv, fix", [

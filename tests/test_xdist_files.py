@@ -1,4 +1,4 @@
-"""The suite's two-worker schedule (tests/conftest.py + portable_rl/testing/xdist_files.py), run for real:
+"""The suite's two-worker schedule (tests/conftest.py + tests/xdist_files.py), run for real:
 pytest -n 2 --dist loadfile on a throwaway suite whose files carry the real suite's names, with the real
 conftest. Each file must run whole on one worker (its module fixture built once), the Ray files on the same
 worker one after the other, and the slowest file first."""

@@ -101,6 +101,9 @@ class SamplingConfig:
     allow_truncated_sampling: bool = False
     # MoE: the experts the engine routed every position to (module doc, "Routed experts"), for routing replay.
     return_routed_experts: bool = False
+    # No EOS or stop token ends a sample before it has this many tokens (the engine masks them until then);
+    # min_tokens = max_tokens decodes exactly max_tokens per sample (benchmarks). 0: off, as rollouts need.
+    min_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -115,6 +118,8 @@ class SamplingConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
@@ -213,8 +218,8 @@ class EngineAdapter(abc.ABC):
     """A rollout engine. Subclasses implement `generate`, `update_weights`, `close`, and set `quantization`.
 
     `quantization` (str | None) is part of the contract (module doc): None for an engine serving the pushed
-    weights unquantized, else the scheme's name. `registry.create_engine` fills in None, with a warning, for
-    an out-of-tree adapter that predates it.
+    weights unquantized, else the scheme's name. `registry.create_engine` closes an adapter that does not set
+    it and raises a TypeError naming the fix.
     """
 
     quantization: str | None  # set by every adapter (class attribute, property or in __init__)

@@ -76,19 +76,31 @@ def check_probe(result: ProbeResult, *, threshold: float = DEFAULT_BF16_THRESHOL
     return result
 
 
+PROBE_SEED = 1234  # the probe batch's sampling seed: the same batch after every push
+
+
 def sample_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]], *, temperature: float = 1.0,
-                 max_tokens: int = 16, seed: int = 1234) -> list:
+                 max_tokens: int = 16, seed: int = PROBE_SEED) -> list:
     """The probe batch: one seeded response per prompt, with the engine's logprobs (`Rollout`s)."""
     return engine.generate(prompts, SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=seed))
 
 
-def run_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]],
-              reference_fn: Callable[[list[list[int]], list[list[int]]], Sequence[Sequence[float]]], *,
-              temperature: float = 1.0, max_tokens: int = 16, seed: int = 1234,
-              threshold: float = DEFAULT_BF16_THRESHOLD, quantized: bool = False) -> ProbeResult:
+def measure_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]],
+                  reference_fn: Callable[[list[list[int]], list[list[int]]], Sequence[Sequence[float]]], *,
+                  temperature: float = 1.0, max_tokens: int = 16, seed: int = PROBE_SEED
+                  ) -> tuple[list, Sequence[Sequence[float]], ProbeResult]:
     """Generates the probe batch, scores it with `reference_fn(prompts, responses) -> per-token logprobs`
-    (the learner's, at the same temperature), compares, and checks (raises for bf16 above `threshold`)."""
+    (the learner's, at the same temperature) and compares: (the rollouts, the reference, the result)."""
     rollouts = sample_probe(engine, prompts, temperature=temperature, max_tokens=max_tokens, seed=seed)
     reference = reference_fn([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts])
-    result = compare_logprobs([r.response_logprobs for r in rollouts], reference)
+    return rollouts, reference, compare_logprobs([r.response_logprobs for r in rollouts], reference)
+
+
+def run_probe(engine: EngineAdapter, prompts: Sequence[Sequence[int]],
+              reference_fn: Callable[[list[list[int]], list[list[int]]], Sequence[Sequence[float]]], *,
+              temperature: float = 1.0, max_tokens: int = 16, seed: int = PROBE_SEED,
+              threshold: float = DEFAULT_BF16_THRESHOLD, quantized: bool = False) -> ProbeResult:
+    """`measure_probe`, then `check_probe` (raises for bf16 above `threshold`)."""
+    _, _, result = measure_probe(engine, prompts, reference_fn, temperature=temperature, max_tokens=max_tokens,
+                                 seed=seed)
     return check_probe(result, threshold=threshold, quantized=quantized)

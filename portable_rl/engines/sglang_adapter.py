@@ -255,6 +255,8 @@ class SGLangEngine(EngineAdapter):
                          top_p=sampling.top_p, top_k=sampling.top_k)
                 if sampling.stop_token_ids:
                     p["stop_token_ids"] = list(sampling.stop_token_ids)
+                if sampling.min_tokens:
+                    p["min_new_tokens"] = sampling.min_tokens
                 if sampling.stop:  # the returned ids are never trimmed; no_stop_trim keeps the text whole too
                     p.update(stop=list(sampling.stop), no_stop_trim=True)
                 if sampling.seed is not None and self.seeds_honoured:

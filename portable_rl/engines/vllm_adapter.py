@@ -371,7 +371,8 @@ class VLLMEngine(EngineAdapter):
             seed = sampling.seed_for(i)
             params.append(SamplingParams(
                 n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, seed=seed, stop_token_ids=list(sampling.stop_token_ids),
+                max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, seed=seed,
+                stop_token_ids=list(sampling.stop_token_ids),
                 # stop strings are matched on the detokenized text; the token completing one stays (base.py)
                 stop=list(sampling.stop), include_stop_str_in_output=True, detokenize=bool(sampling.stop),
                 # flat: per request a few primitive lists, not top_k Logprob objects per token

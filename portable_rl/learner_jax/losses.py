@@ -53,7 +53,7 @@ from portable_rl.tis.ratios import masked_max, masked_mean as _masked_mean
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
                 "token-sum-norm")
-MODES = ("decoupled", "bypass")
+POLICY_LOSS_MODES = ("decoupled", "bypass")  # validated once, by rl.LossConfig
 
 
 def aggregate_loss(loss_bt, response_mask, aggregation: str = "token-mean", norm_constant=None):
@@ -131,15 +131,9 @@ def policy_loss(new_logprobs, old_logprobs, advantages, response_mask, *, rollou
     (r below 1−ε_low with A < 0 / above 1+ε_high with A > 0), dual_clip_frac, approx_kl
     (mean(log π_old − log π_θ), k1), approx_kl_k3 (mean(r − 1 − log r)), ratio_mean, ratio_max,
     correction_weight_mean; all over valid tokens.
+    `mode` (POLICY_LOSS_MODES), `aggregation`, the clip range and `dual_clip_c` are `rl.LossConfig`'s,
+    validated there.
     """
-    if mode not in MODES:
-        raise ConfigError(f"unknown policy-loss mode {mode!r}; use one of {MODES}")
-    if aggregation not in AGGREGATIONS:
-        raise ConfigError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
-    if not (clip_eps_low >= 0 and clip_eps_high >= 0):
-        raise ConfigError(f"clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}")
-    if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ConfigError(f"dual_clip_c must be > 1 (DAPO/verl use 3.0), got {dual_clip_c}")
     if mode == "bypass":
         if rollout_logprobs is None:
             raise ValueError("mode='bypass' uses rollout_logprobs as the old policy; pass rollout_logprobs")

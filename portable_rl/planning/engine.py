@@ -20,7 +20,7 @@ Layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_st
 The quantized schemes' scales (per tensor, per 128 × 128 block, per channel) are < 1 % of the weights and
 are left out; embeddings, norms and lm_head stay bf16 in every scheme (`rl.colocation.checkpoint_bytes` reads
 the same split from a checkpoint's headers). The activation reserve is vLLM's profile run at its batched-token
-budget, its sampler and CUDA graphs: `MemoryPlan.engine_overhead_gb`.
+budget, its sampler and CUDA graphs: `rl.MemoryPlan.engine_overhead_gb`.
 """
 
 from __future__ import annotations

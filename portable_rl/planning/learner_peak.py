@@ -63,11 +63,11 @@ PARTS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
 @dataclasses.dataclass(frozen=True)
 class PeakRequest:
     """One update to compile: the model (an HF config.json dict), the learner mesh, the memory knobs
-    (`learner.MemoryConfig` fields), the micro-batch layout per device and the dtypes (`rl.PrecisionConfig`)."""
+    (`learner_jax.MemoryConfig` fields), the micro-batch layout per device and the dtypes (`rl.PrecisionConfig`)."""
 
     hf_config: dict
     mesh: tuple                # (data, fsdp, expert, tensor)
-    memory: dict               # learner.MemoryConfig fields
+    memory: dict               # learner_jax.MemoryConfig fields
     rows: int                  # rows per device of one micro-batch
     row_tokens: int            # tokens per row
     micro_batches: int         # > 1: the grad step + apply step with the f32 accumulator
@@ -199,7 +199,7 @@ def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
 
 def rl_cfg():
     """The DAPO settings the loss reads (clip-higher, token-mean); they do not change the update's memory."""
-    from portable_rl.testing.configs import dapo_config
+    from portable_rl.rl.dapo import dapo_config
 
     return dapo_config(prompt_batch_size=32, n_samples=16, mini_batch_size=32, clip_eps_low=0.2,
                        clip_eps_high=0.28, loss_aggregation="token-mean")

@@ -8,10 +8,14 @@
 - `dynamic_sampling`: keep prompt groups whose rewards are not all equal (DAPO).
 - `config`: the loop's settings, one small config per concern (generation, data, shapes, loss, safety,
   environment).
-- `dapo`: `DapoConfig` (the union of those configs, gin's names), advantages and the training batch.
+- `dapo`: `DapoConfig` (the union of those configs, gin's names; `dapo_config` from flat names), advantages
+  and the training batch.
 - `batching`: rollouts → `[B, T]` rows (packed or one per row) with a response mask; micro-batches.
 - `learner`: old logprobs, rollout correction, mini-batch updates (the learner side of a step).
-- `sync`: weight push (learner → engine) and the post-sync probe.
+- `served_view`: the learner's forwards on the weights the engine serves (its quantizer, SmoothQuant).
+- `sync`: weight push (learner → engine) and what the engine serves (`Serving`).
+- `diagnostics`: what is measured after each push: `update_survival` (how much of the update the served
+  weights received), the post-sync probe (engines/probe.py), `mismatch_split` (the probe's KL by source).
 - `evaluation`: held-out accuracy, pass@k and mean length through an engine.
 - `metrics`: metrics.jsonl + TensorBoard writer (resumable); `plots`: PNG curves.
 - `preemption`: stop cleanly on SIGTERM (finish the step, checkpoint).

@@ -256,17 +256,17 @@ class MemoryPlan:
     def _check_knobs(self) -> None:
         """What is wrong whatever the machine: an engine the plan cannot size, no learner peak."""
         if self.engine not in ENGINES:
-            raise MemoryPlanError(f"MemoryPlan.engine={self.engine!r}: the plan sets the memory share of "
+            raise MemoryPlanError(f"rl.MemoryPlan.engine={self.engine!r}: the plan sets the memory share of "
                                   f"{ENGINES} only; set it for your engine yourself (SGLang: mem_fraction_static) "
                                   "and drop gin/colocate.gin")
         if self.learner_peak_gb is None or self.learner_peak_gb <= 0:
-            raise MemoryPlanError(f"MemoryPlan.learner_peak_gb={self.learner_peak_gb}: set LEARNER_PEAK_GB to the "
+            raise MemoryPlanError(f"rl.MemoryPlan.learner_peak_gb={self.learner_peak_gb}: set LEARNER_PEAK_GB to the "
                                   "learner's per-device peak (python -m portable_rl.plan prints it)")
 
     def _device_memory(self) -> tuple[Optional[float], str]:
         """(bytes, source): `device_memory_gb` when set, else nvidia-smi's; None without a GPU."""
         if self.device_memory_gb is not None:
-            return self.device_memory_gb * GB, "MemoryPlan.device_memory_gb"
+            return self.device_memory_gb * GB, "rl.MemoryPlan.device_memory_gb"
         device_bytes, _, source = detect_device_memory()
         return device_bytes, source
 
@@ -276,8 +276,8 @@ class MemoryPlan:
         has_checkpoint = bool(self.model_path) and os.path.exists(os.path.join(self.model_path, "config.json"))
         if not has_checkpoint and (self.engine_weights_gb is None or self.learner_resident_gb is None):
             raise MemoryPlanError(f"memory plan: no HF checkpoint at MODEL_PATH={self.model_path!r} to size the engine "
-                                  "and learner from; set MODEL_PATH, or MemoryPlan.engine_weights_gb and "
-                                  "MemoryPlan.learner_resident_gb")
+                                  "and learner from; set MODEL_PATH, or rl.MemoryPlan.engine_weights_gb and "
+                                  "rl.MemoryPlan.learner_resident_gb")
         params, engine_bytes = (checkpoint_bytes(self.model_path, bool(self.quantization)) if has_checkpoint
                                 else (0, 0.0))
         tp = max(1, int(self.engine_tensor_parallel))
@@ -315,7 +315,7 @@ class MemoryPlan:
                 f"memory plan: learner phase {learner_phase / GB:.1f} GB (learner peak {fp.learner_peak / GB:.1f} + "
                 f"engine asleep {self.engine_asleep_gb:.1f} + reserve {self.reserve_gb:.1f}) > {m / GB:.1f} GB device "
                 "memory; lower the learner's peak (python -m portable_rl.plan says how: smaller "
-                "learner.MemoryConfig.max_tokens_per_micro_batch, remat, more devices) and LEARNER_PEAK_GB with it")
+                "learner_jax.MemoryConfig.max_tokens_per_micro_batch, remat, more devices) and LEARNER_PEAK_GB with it")
         return (m - fp.learner_resident - fp.reserve) / m
 
     def _resident_learner_fraction(self, fp: Footprint, environ: Mapping[str, str], preallocates: bool) -> float:
@@ -342,7 +342,7 @@ class MemoryPlan:
         if peak > learner_fraction * m:
             raise MemoryPlanError(
                 f"memory plan: learner peak {peak / GB:.1f} GB > its share {learner_fraction:.2f} x "
-                f"{m / GB:.1f} GB; raise {_knob(MEM_FRACTION, 'MemoryPlan.learner_fraction', environ)} or lower "
+                f"{m / GB:.1f} GB; raise {_knob(MEM_FRACTION, 'rl.MemoryPlan.learner_fraction', environ)} or lower "
                 "LEARNER_PEAK_GB")
         return learner_fraction
 
@@ -360,7 +360,7 @@ class MemoryPlan:
             f"> its share {max(engine_fraction, 0):.2f} x {m / GB:.1f} GB after the {what}; "
             + ("shard the learner over more devices (less learner state per device) or raise the engine's "
                "tensor_parallel_size (ENGINE_KWARGS)" if self.sleep_engine else
-               f"set SLEEP_ENGINE=True, lower {_knob(MEM_FRACTION, 'MemoryPlan.learner_fraction', environ)}, "
+               f"set SLEEP_ENGINE=True, lower {_knob(MEM_FRACTION, 'rl.MemoryPlan.learner_fraction', environ)}, "
                "or raise the engine's tensor_parallel_size (ENGINE_KWARGS)"))
 
 

@@ -24,7 +24,6 @@ from typing import Optional
 from portable_rl.errors import ConfigError
 
 ADVANTAGES = ("grpo", "drgrpo")
-POLICY_LOSS_MODES = ("decoupled", "bypass")
 DTYPES = ("float32", "bfloat16", "float16")
 DIAGNOSTICS = ("update_survival", "probe", "mismatch_split")  # rl/diagnostics.py, in the order the step runs them
 LEARNER_PRECISIONS = ("master", "engine")
@@ -239,7 +238,8 @@ class LossConfig:
     router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
-        from portable_rl.learner_jax.losses import AGGREGATIONS  # the loss owns the list; checked here, at config time
+        # the loss owns the lists; checked here, at config time, and nowhere else
+        from portable_rl.learner_jax.losses import AGGREGATIONS, POLICY_LOSS_MODES
 
         if self.advantage not in ADVANTAGES:
             raise ConfigError(f"advantage={self.advantage!r}; use one of {ADVANTAGES}")

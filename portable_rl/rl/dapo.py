@@ -62,6 +62,19 @@ class DapoConfig:
         return self.loss.loss_norm_constant or self.generation.max_response_tokens
 
 
+def dapo_config(**fields) -> DapoConfig:
+    """A `DapoConfig` from flat field names, each sorted into the part that owns it (`dapo_config(n_samples=4,
+    mini_batch_size=2)`: GenerationConfig's and LossConfig's); the other fields keep their defaults. For
+    tests, benchmarks and the planner, which set a handful of fields across several parts."""
+    parts = {f.name: f.default_factory for f in dataclasses.fields(DapoConfig)}
+    owner = {name: part for part, cls in parts.items() for name in (f.name for f in dataclasses.fields(cls))}
+    unknown = sorted(set(fields) - set(owner))
+    if unknown:
+        raise TypeError(f"dapo_config: no part of DapoConfig has the fields {unknown}")
+    kwargs = {part: cls(**{k: v for k, v in fields.items() if owner[k] == part}) for part, cls in parts.items()}
+    return DapoConfig(**kwargs)
+
+
 def shaped_rewards(cfg: DapoConfig, rewards: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     loss = cfg.loss
     if loss.overlong_buffer <= 0:

@@ -25,28 +25,14 @@ from portable_rl.rl.batching import pack_rollouts
 from portable_rl.rl.config import DiagnosticsConfig
 from portable_rl.rl.mismatch_split import MismatchSplit, extra_forwards, response_slices
 from portable_rl.rl.multihost import Processes
+from portable_rl.rl.sync import Serving
 from portable_rl.rl.update_survival import UpdateSurvival, learner_weights
-
-PROBE_SEED = 1234
-
 
 class Diagnostic(Protocol):
     name: str
 
     def after_push(self) -> dict[str, float]:
         """Metrics of the weights just pushed; called on every process, in the same order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Serving:
-    """What the engine serves: its `quantization` (engines/base.py) and the push's SmoothQuant factors (or None),
-    known on every process."""
-    quantization: str | None
-    smoothing: object = None
-
-    @property
-    def label(self) -> str | None:
-        return self.quantization if self.smoothing is None else f"{self.quantization}+smoothquant"
 
 
 class UpdateSurvivalDiagnostic:
@@ -86,8 +72,8 @@ class ProbeSample:
 
 
 class ProbeDiagnostic:
-    """probe/*: the engine samples `prompts` (fixed seed) and the learner scores the same tokens
-    (`engines.probe.compare_logprobs`; `check_probe` raises for a bf16 engine out of tolerance). `engine` is
+    """probe/*: the engine samples `prompts` (`engines.probe.PROBE_SEED`) and the learner scores the same tokens
+    (`engines.probe.measure_probe`; `check_probe` raises for a bf16 engine out of tolerance). `engine` is
     None on the processes that follow the driver: they score the rows it broadcasts."""
     name = "probe"
 
@@ -103,17 +89,18 @@ class ProbeDiagnostic:
             self.learner.logprobs(rows["input_ids"], rows["attention_mask"])
             self.last = ProbeSample(rows, [], [], [])
             return {}
-        rollouts = probe_lib.sample_probe(self.engine, self.prompts, temperature=self.temperature,
-                                          max_tokens=self.max_tokens, seed=PROBE_SEED)
-        rows, spans = probe_rows([r.prompt_token_ids for r in rollouts], [r.response_token_ids for r in rollouts],
-                                 self.pad_id)
-        rows = self.procs.broadcast(rows)
-        reference = response_slices(self.learner.logprobs(rows["input_ids"], rows["attention_mask"]), spans)
-        engine_logprobs = [r.response_logprobs for r in rollouts]
-        self.last = ProbeSample(rows, spans, engine_logprobs, reference)
-        result = probe_lib.check_probe(probe_lib.compare_logprobs(engine_logprobs, reference),
-                                       quantized=self.engine.quantization is not None)
-        return result.as_metrics("probe/")
+        scored = {}
+
+        def score(prompts, responses):  # the learner's logprobs of the engine's tokens, on every process
+            rows, spans = probe_rows(prompts, responses, self.pad_id)
+            rows = self.procs.broadcast(rows)
+            scored.update(rows=rows, spans=spans)
+            return response_slices(self.learner.logprobs(rows["input_ids"], rows["attention_mask"]), spans)
+
+        rollouts, reference, result = probe_lib.measure_probe(self.engine, self.prompts, score,
+                                                              temperature=self.temperature, max_tokens=self.max_tokens)
+        self.last = ProbeSample(scored["rows"], scored["spans"], [r.response_logprobs for r in rollouts], reference)
+        return probe_lib.check_probe(result, quantized=self.engine.quantization is not None).as_metrics("probe/")
 
 
 class MismatchSplitDiagnostic:

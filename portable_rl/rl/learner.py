@@ -1,6 +1,7 @@
 """The learner side of one RL step: old logprobs, rollout correction, mini-batch updates (rl/sync.py pushes weights).
 
-    metrics = learner.step(batch)            = learner.update(learner.prepare(batch)), metrics merged
+    prepared = learner.prepare(batch)        old logprobs, rollout correction, micro-batches (+ tis/*, batch/*)
+    metrics = learner.update(prepared)       the mini-batch updates (train/*)
 
 `prepare(batch)` is pure in the batch (it reads the current policy, writes nothing) and returns a
 `PreparedBatch`; `update(prepared)` runs the optimizer. The one order between them is explicit and
@@ -52,7 +53,7 @@ loss, given a micro-batch without them, computes them from its forward:
 
 and returns old and w [R, L] with its metrics. Only for a token-local correction
 (`RolloutCorrectionConfig.token_local`: token or no TIS, no masks, no self-normalization): w_t needs only
-token t, and keep = the response mask, so ω is known before the forward. `complete_deferred` (pure) puts
+token t, and keep = the response mask, so ω is known before the forward. `DeferredMiniBatch.complete` (pure) puts
 those rows into a new PreparedBatch, with the `tis/*` metrics of the whole view: the one `prepare` returns
 when it recomputes (tests/test_learner_step.py). `update` trains the later ppo_epochs passes on it and
 returns its `tis/*` metrics; the PreparedBatch it was given is not modified.
@@ -162,7 +163,7 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
 
     A micro-batch of the deferred mini-batch (no `old_logprobs`; module doc) takes its old logprobs from this
     forward pass, stop-gradient, and its TIS weights from them with `correction` (token-local); both are
-    returned among the metrics as [R, L] arrays (`DEFERRED_KEYS`). The branch is on the batch's keys, so it is
+    returned among the metrics as [R, L] arrays (`DeferredMiniBatch.KEYS`). The branch is on the batch's keys, so it is
     decided when jit traces: one jitted step serves both kinds of micro-batch."""
     def loss_fn(model, batch):
         if model_view is not None:
@@ -201,7 +202,6 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
     return loss_fn
 
 
-DEFERRED_KEYS = ("old_logprobs", "tis_weights")  # what the deferred mini-batch's update computes: [R, L] arrays
 _LossSettings = collections.namedtuple("_LossSettings", "clip_eps_low clip_eps_high dual_clip_c policy_loss_mode "
                                                        "router_aux_loss_coef", defaults=(0.0,))
 
@@ -265,13 +265,44 @@ def combine_metrics(parts: list[dict]) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class DeferredMiniBatch:
-    """The mini-batch whose old logprobs and TIS weights its own update computes (module doc), and what
-    `complete_deferred` needs to finish the correction of the whole view."""
+    """The mini-batch whose old logprobs and TIS weights its own update computes (module doc), start to end:
+    `Learner.prepare` leaves them out of its micro-batches (`strip`), the loss computes them in the update's
+    (or `Learner.gradient`'s) forward, `rows_from` takes them from that forward's outputs, and `complete`
+    writes them into a new PreparedBatch with the correction of the whole view finished."""
     index: int                           # in PreparedBatch.micro_batches
     layouts: list[batching.Layout]       # of its micro-batches
     rollout_logprobs: np.ndarray         # [N, T] of the view
     response_mask: np.ndarray            # [N, T]
     turn_index: np.ndarray | None        # [N, T] for multi-turn trajectories (batching.pack_rollouts), else None
+
+    KEYS = ("old_logprobs", "tis_weights")  # what its update computes: [R, L] arrays
+
+    @classmethod
+    def strip(cls, micro_batch: dict) -> dict:
+        """One of its micro-batches as `prepare` hands it on: without the arrays the update computes."""
+        return {k: v for k, v in micro_batch.items() if k not in cls.KEYS}
+
+    def rows_from(self, parts: list[dict]) -> list[dict]:
+        """Per micro-batch, the computed arrays as host arrays, popped from its loss outputs `parts` (what
+        stays there are the update's metrics)."""
+        return [{k: to_host(part.pop(k)) for k in self.KEYS} for part in parts]
+
+    def complete(self, prepared: PreparedBatch, rows: list[dict],
+                 correction: tis.RolloutCorrectionConfig) -> PreparedBatch:
+        """A new PreparedBatch: `prepared` (whose `deferred` this is) with `rows` (`rows_from`) written into
+        this mini-batch's micro-batches and views, and the `tis/*` metrics of the whole view added; what
+        `prepare` returns when it recomputes. `prepared` is not modified."""
+        old, weights = prepared.old_logprobs.copy(), prepared.tis_weights.copy()            # [N, T]
+        for layout, r in zip(self.layouts, rows):
+            layout.to_view(r["old_logprobs"], old)
+            layout.to_view(r["tis_weights"], weights)
+        _, _, metrics = _correction_fn(correction)(old, self.rollout_logprobs, self.response_mask)
+        micro = list(prepared.micro_batches)
+        micro[self.index] = [dict(mb, **r) for mb, r in zip(micro[self.index], rows)]
+        return dataclasses.replace(
+            prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
+            metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()},
+                     **turn_metrics(old, self.rollout_logprobs, self.response_mask, self.turn_index)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,25 +321,6 @@ class PreparedBatch:
     metrics: dict
     policy_version: int | None = None
     deferred: DeferredMiniBatch | None = None
-
-
-def complete_deferred(prepared: PreparedBatch, rows: list[dict],
-                      correction: tis.RolloutCorrectionConfig) -> PreparedBatch:
-    """A new PreparedBatch: `prepared` with its deferred mini-batch's `rows` (per micro-batch, its update's
-    `DEFERRED_KEYS` [R, L] host arrays) written into its micro-batches and views, and the `tis/*` metrics
-    of the whole view added; what `prepare` returns when it recomputes. `prepared` is not modified."""
-    deferred = prepared.deferred
-    old, weights = prepared.old_logprobs.copy(), prepared.tis_weights.copy()            # [N, T]
-    for layout, r in zip(deferred.layouts, rows):
-        layout.to_view(r["old_logprobs"], old)
-        layout.to_view(r["tis_weights"], weights)
-    _, _, metrics = _correction_fn(correction)(old, deferred.rollout_logprobs, deferred.response_mask)
-    micro = list(prepared.micro_batches)
-    micro[deferred.index] = [dict(mb, **r) for mb, r in zip(micro[deferred.index], rows)]
-    return dataclasses.replace(
-        prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
-        metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()},
-                 **turn_metrics(old, deferred.rollout_logprobs, deferred.response_mask, deferred.turn_index)})
 
 
 # ------------------------------------------------------------------------------ micro-batch layouts
@@ -372,7 +384,7 @@ def _sequence_lengths(batch: dict, budget: int | None) -> np.ndarray:
     if budget is not None and lengths.size and lengths.max() > budget:
         raise MicroBatchBudgetError(
             f"a sequence of {int(lengths.max())} tokens (prompt + response) does not fit "
-            f"learner.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
+            f"learner_jax.MemoryConfig.max_tokens_per_micro_batch={budget} (sequences are never split); raise it to at least "
             f"{int(lengths.max())}")
     return lengths
 
@@ -574,7 +586,7 @@ class Learner:
             view["token_weights"][seq] = loss_token_weights(
                 loss_mask[seq], self.cfg.loss.loss_aggregation, self.cfg.norm_constant,
                 num_sequences=len(seq))
-            arrays = view if index != deferred else {k: v for k, v in view.items() if k not in DEFERRED_KEYS}
+            arrays = view if index != deferred else DeferredMiniBatch.strip(view)
             micro.append([lay.arrays(arrays) for lay in mini])
             padding += sum(lay.padding_tokens for lay in mini)
             laid_out += sum(int(lay.length.sum()) for lay in mini)
@@ -610,18 +622,13 @@ class Learner:
         return {"moe/routing_agreement": float(agreement[0] / max(agreement[1], 1)), name: float(metrics["kl"])}
 
     # ------------------------------------------------------------------------------ update
-    def step(self, batch: dict) -> dict:
-        """One learner step on `batch`: `update(prepare(batch))`; returns the tis/*, batch/* and train/* metrics."""
-        prepared = self.prepare(batch)
-        return {**prepared.metrics, **self.update(prepared)}
-
     def _check_fresh(self, prepared: PreparedBatch, what: str) -> None:
         if not isinstance(prepared, PreparedBatch):
             raise TypeError(f"Learner.{what} takes the PreparedBatch returned by Learner.prepare(batch)")
         if prepared.policy_version is not None and prepared.policy_version != self.updates:
             raise ValueError(f"this PreparedBatch's old logprobs are of the policy before update "
                              f"{prepared.policy_version + 1}, and {self.updates - prepared.policy_version} "
-                             "update(s) ran since; prepare it again right before updating (Learner.step does both)")
+                             "update(s) ran since; prepare it again right before updating")
 
     def _micro_batch_gradients(self, micro: list[dict]) -> tuple:
         """(Σ over the micro-batches of ∇loss, in a f32 accumulator; each micro-batch's metrics)."""
@@ -648,8 +655,7 @@ class Learner:
                         applied = self._apply_step(self.model, self.optimizer, grads)
                 if prepared.deferred is not None and index == prepared.deferred.index:
                     # this forward gave the old logprobs: later passes (ppo_epochs > 1) train on the completed batch
-                    rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
-                    prepared = complete_deferred(prepared, rows, self.correction)
+                    prepared = prepared.deferred.complete(prepared, prepared.deferred.rows_from(parts), self.correction)
                     tis_metrics = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
                 parts = jax.device_get(parts)
                 update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
@@ -675,9 +681,8 @@ class Learner:
             with self._on_mesh():
                 grads, parts = self._micro_batch_gradients(micro)
             if prepared.deferred is not None and index == prepared.deferred.index:
-                rows = [{k: to_host(part.pop(k)) for k in DEFERRED_KEYS} for part in parts]
-                tis_metrics = {k: v for k, v in complete_deferred(prepared, rows, self.correction).metrics.items()
-                               if k.startswith("tis/")}
+                completed = prepared.deferred.complete(prepared, prepared.deferred.rows_from(parts), self.correction)
+                tis_metrics = {k: v for k, v in completed.metrics.items() if k.startswith("tis/")}
             flat = np.concatenate([np.asarray(jax.device_get(g), np.float32).ravel() for g in jax.tree.leaves(grads)])
             total = flat if total is None else total + flat
             minis += 1

@@ -65,8 +65,7 @@ from flax import nnx
 from portable_rl.convert.hf import get_param
 from portable_rl.engines.probe import compare_logprobs
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
-from portable_rl.rl.served_view import quantized_kernels, serve_as_engine
-from portable_rl.rl.update_survival import projection_paths
+from portable_rl.rl.served_view import projection_paths, quantized_kernels, serve_as_engine
 
 # engine `quantization` → its weight quantizer on an NNX kernel [in, out] (output channels are columns)
 WEIGHT_QUANTIZERS = {k: v for k, v in SERVED_WEIGHTS.items() if k is not None}

@@ -16,7 +16,7 @@
 train.py asks once which role this process has and then calls the same methods in the same order on
 every process, so every collective (rl/multihost.py) is joined by all of them. With one process the engine
 side broadcasts nothing and the loop is the single-process loop. Both push for the same `Serving` (the
-engine's quantization and the push's SmoothQuant factors, rl/diagnostics.py); the diagnostics after the push
+engine's quantization and the push's SmoothQuant factors, rl/sync.py); the diagnostics after the push
 have their own driver and follower halves (rl/diagnostics.py).
 """
 
@@ -27,19 +27,18 @@ import time
 from portable_rl.rl.async_rollout import rollout_source
 from portable_rl.rl.config import EnvironmentConfig
 from portable_rl.rl.dapo import build_batch
-from portable_rl.rl.diagnostics import Serving
 from portable_rl.rl.evaluation import evaluate_examples
 from portable_rl.rl.multihost import Processes, groups_from_wire, groups_to_wire, wire_bytes
 from portable_rl.rl.rollout import collect_groups
-from portable_rl.rl.sync import join_weight_export, push_weights
+from portable_rl.rl.sync import Serving, join_weight_export, push_weights
 
 
-def batch_of(cfg, groups, pad_id: int, metrics: dict):
+def batch_of(dapo, groups, pad_id: int, metrics: dict):
     """The step's batch (`dapo.build_batch`, adding its stats to `metrics`), or None when no group was kept
     (every group had equal rewards in every draw: nothing to learn from this step)."""
     if not groups:
         return None
-    batch, batch_stats = build_batch(cfg, groups, pad_id)
+    batch, batch_stats = build_batch(dapo, groups, pad_id)
     metrics.update(batch_stats)
     return batch
 
@@ -47,17 +46,17 @@ def batch_of(cfg, groups, pad_id: int, metrics: dict):
 class EngineSide:
     """Owns the engine, the task draws, evaluation and the run directory's logs."""
 
-    def __init__(self, *, engine, serving: Serving, writer, codec, task, reward_fn, cfg, seed: int, held_out,
+    def __init__(self, *, engine, serving: Serving, writer, codec, task, reward_fn, dapo, seed: int, held_out,
                  greedy, async_rollouts: bool, procs: Processes = Processes(),
                  environment: EnvironmentConfig = EnvironmentConfig(), return_routed_experts: bool = False):
         self.engine, self.serving, self.writer, self.codec, self.procs = engine, serving, writer, codec, procs
-        self.task, self.reward_fn, self.cfg, self.seed, self.environment = task, reward_fn, cfg, seed, environment
+        self.task, self.reward_fn, self.dapo, self.seed, self.environment = task, reward_fn, dapo, seed, environment
         self.held_out, self.greedy = held_out, greedy
         self.return_routed_experts = return_routed_experts  # routing replay (rl.PrecisionConfig.engine_routing)
         self.source = rollout_source(self._generate, prefetch=async_rollouts)  # sync, or one step ahead
 
     def _generate(self, step):  # data and sampling seeds depend only on (seed, step, draw): resumable
-        return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.cfg, step=step,
+        return collect_groups(self.engine, self.codec, self.task, self.reward_fn, self.dapo, step=step,
                               seed=self.seed, environment=self.environment,
                               return_routed_experts=self.return_routed_experts)
 
@@ -75,7 +74,7 @@ class EngineSide:
             groups = groups_from_wire(wire) if wire else []
             metrics.update({"time/broadcast": time.perf_counter() - t_broadcast,
                             "multihost/broadcast_bytes": wire_bytes(wire)})
-        return batch_of(self.cfg, groups, self.codec.pad_id, metrics), metrics, seconds
+        return batch_of(self.dapo, groups, self.codec.pad_id, metrics), metrics, seconds
 
     def wait_rollouts(self) -> None:
         """The engine must be idle before its weights change: wait for an in-flight generation."""
@@ -112,12 +111,13 @@ class EngineSide:
 class FollowerSide:
     """Any process but the driver: receives what the driver broadcasts and joins every collective."""
 
-    def __init__(self, procs: Processes, *, serving: Serving, cfg, pad_id: int):
-        self.procs, self.serving, self.cfg, self.pad_id = procs, serving, cfg, pad_id  # serving: the driver's engine's
+    def __init__(self, procs: Processes, *, serving: Serving, dapo, pad_id: int):
+        # serving: what the driver's engine serves
+        self.procs, self.serving, self.dapo, self.pad_id = procs, serving, dapo, pad_id
 
     def rollouts(self, step: int, *, prefetch_next: bool):
         wire, metrics = self.procs.broadcast()
-        return batch_of(self.cfg, groups_from_wire(wire) if wire else [], self.pad_id, metrics), metrics, 0.0
+        return batch_of(self.dapo, groups_from_wire(wire) if wire else [], self.pad_id, metrics), metrics, 0.0
 
     def wait_rollouts(self) -> None:
         pass

@@ -28,8 +28,16 @@ from flax import nnx
 from portable_rl.convert.hf import get_param
 from portable_rl.convert.mapping import param_mappings
 from portable_rl.convert.smoothing import Smoothing
+from portable_rl.engines.quantize import is_quantized_weight
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS
-from portable_rl.rl.update_survival import projection_paths
+
+
+def projection_paths(model_config) -> list[tuple]:
+    """NNX paths of the matrices engines quantize (`engines.quantize.is_quantized_weight`): the decoder
+    projections (q/k/v/o, gate/up/down kernels [in, out]) and, in MoE layers, the stacked experts [E, in, out]
+    (one path for all E experts; the routers are not among them)."""
+    paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_weight(m.hf_name)]
+    return list(dict.fromkeys(paths))
 
 
 @functools.partial(jax.jit, static_argnames=("quantization",))

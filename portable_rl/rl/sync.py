@@ -12,10 +12,23 @@ process runs them (`join_weight_export` on all but the driver, which alone hands
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from portable_rl.convert.hf import LEARNER_QUANTIZED, export_arrays
 from portable_rl.convert.to_torch import iter_hf_tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What the engine serves: its `quantization` (engines/base.py) and the push's SmoothQuant factors (or None),
+    known on every process."""
+    quantization: str | None
+    smoothing: object = None
+
+    @property
+    def label(self) -> str | None:
+        return self.quantization if self.smoothing is None else f"{self.quantization}+smoothquant"
 
 
 def push_weights(engine, model, model_config, *, smoothing=None) -> None:

@@ -56,8 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from portable_rl.convert.hf import get_param
-from portable_rl.convert.mapping import param_mappings
-from portable_rl.engines.quantize import is_quantized_weight
+from portable_rl.rl.served_view import projection_paths
 from portable_rl.learner_jax.quantize import SERVED_WEIGHTS, served_bf16
 from portable_rl.learner_jax.optim import MasterWeightsState
 
@@ -71,14 +70,6 @@ def learner_weights(model, optimizer=None):
     `optim.with_master_weights`), else the model. Either is read by NNX path (`get_param`)."""
     state = getattr(optimizer, "opt_state", None)
     return state.master if isinstance(state, MasterWeightsState) else model
-
-
-def projection_paths(model_config) -> list[tuple]:
-    """NNX paths of the matrices engines quantize (`engines.quantize.is_quantized_weight`): the decoder
-    projections (q/k/v/o, gate/up/down kernels [in, out]) and, in MoE layers, the stacked experts [E, in, out]
-    (one path for all E experts; the routers are not among them)."""
-    paths = [m.nnx_path for m in param_mappings(model_config) if is_quantized_weight(m.hf_name)]
-    return list(dict.fromkeys(paths))
 
 
 def _stage_metrics(served, new, old):
