@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from processes import alive
-
 REPO = Path(__file__).resolve().parent.parent
 CHILD = "tests.test_multihost_launch"  # run by the launcher as `python -m tests.test_multihost_launch`
 
@@ -33,6 +31,8 @@ def test_multihost_launcher_stops_all_when_one_dies(tmp_path):
     assert "[launch] error: process 2 (pid" in out and "exited with code 3; stopped the other 2 processes" in out
     assert time.time() - start < 30  # not the 120 s the others would sleep
     pids = [json.loads((tmp_path / f"{i}.json").read_text())["pid"] for i in range(3)]
+    from processes import alive  # tests/ (not importable by the child program, which needs none of it)
+
     assert not any(alive(p) for p in pids)  # no orphan
     env = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(3)]
     assert [e["PORTABLE_RL_PROCESS_ID"] for e in env] == ["0", "1", "2"]

@@ -36,6 +36,7 @@ NAMES = ["test_a.py", "test_engines_contract.py", "test_b.py", "test_engines_ray
 
 def test_two_workers_run_each_file_whole_ray_files_together_slowest_first(tmp_path):
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(TESTS / "xdist_files.py", tmp_path / "xdist_files.py")  # the scheduler conftest.py imports
     for name in NAMES:
         (tmp_path / name).write_text(f"COUNT = {COUNTS.get(name, 4)}\n" + FILE)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile",
