@@ -76,8 +76,8 @@ def _default(value) -> str:
 # Reference order: the training entry point and its config objects first, then what they plug in.
 ORDER = ("train", "rl.RunConfig", "rl.DapoConfig", "rl.GenerationConfig", "rl.DataConfig", "rl.ShapeConfig",
          "rl.LossConfig", "rl.SafetyConfig", "tis.RolloutCorrectionConfig", "tis.from_preset", "rl.PrecisionConfig",
-         "learner_jax.MemoryConfig", "rl.DiagnosticsConfig", "rl.EnvironmentConfig", "optim.make_optimizer",
-         "sharding.MeshConfig", "rl.MemoryPlan", "warmstart", "convert.convert_gguf", "tasks.", "engines.", "evaluate")
+         "learner_jax.MemoryConfig", "rl.DiagnosticsConfig", "rl.EnvironmentConfig", "learner_jax.make_optimizer",
+         "learner_jax.MeshConfig", "rl.MemoryPlan", "warmstart", "convert.convert_gguf", "tasks.", "engines.", "evaluate")
 
 
 def _rank(name: str) -> int:

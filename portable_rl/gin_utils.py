@@ -110,8 +110,8 @@ def register_library() -> None:
         environment=register_configurable(rl_config.EnvironmentConfig, module="rl"))
     from portable_rl.learner_jax import optim, sharding
 
-    register_configurable(optim.make_optimizer, name="make_optimizer", module="optim")
-    register_configurable(sharding.MeshConfig, module="sharding")
+    register_configurable(optim.make_optimizer, name="make_optimizer", module="learner_jax")
+    register_configurable(sharding.MeshConfig, module="learner_jax")
     from portable_rl.convert import gguf
 
     register_configurable(gguf.convert_gguf, name="convert_gguf", module="convert")  # SmolLM2 from PyPI
@@ -159,7 +159,8 @@ MOVED = {
 
 # Configurables renamed so that gin names match module paths → their names now. (`MemoryPlan`, now
 # `rl.MemoryPlan`, is not here: gin still resolves the bare name, as it does every unambiguous short name.)
-RENAMED = {"learner.MemoryConfig": "learner_jax.MemoryConfig"}
+RENAMED = {"learner.MemoryConfig": "learner_jax.MemoryConfig", "optim.make_optimizer": "learner_jax.make_optimizer",
+           "sharding.MeshConfig": "learner_jax.MeshConfig"}
 
 
 def moved_dapo_fields() -> dict[str, str]:

@@ -279,13 +279,13 @@ def train(*, run_config: RunConfig, engine_factory: Callable, task, dapo: DapoCo
       task: the prompts, answers and reward (`tasks.*`).
       dapo: DAPO / GRPO settings (`rl.DapoConfig`).
       correction: the rollout correction (TIS and masks; `tis.RolloutCorrectionConfig`); its default: none.
-      optimizer_factory: builds the optax optimizer; None: `optim.make_optimizer()`.
+      optimizer_factory: builds the optax optimizer; None: `learner_jax.make_optimizer()`.
       precision: the learner's dtypes, the push's SmoothQuant, the learner's served view (`rl.PrecisionConfig`).
       memory: the learner's memory strategy; every setting computes the same update (`learner_jax.MemoryConfig`).
       diagnostics: what is measured after each push (`rl.DiagnosticsConfig`).
       environment: what each trajectory runs in and when it ends (`rl.EnvironmentConfig`); default: the task's
         prompt, one turn, scored by its reward.
-      mesh: the learner's device mesh (`sharding.MeshConfig`); None: one device.
+      mesh: the learner's device mesh (`learner_jax.MeshConfig`); None: one device.
       memory_plan: how learner and engine share each device (`rl.colocation.MemoryPlan`, gin/colocate.gin; its checkpoint
         and dtypes are taken from `run_config` and `precision`); None: XLA's and the engine's defaults, the engine
         always awake.

@@ -82,20 +82,23 @@ def test_an_old_flat_binding_fails_in_one_line_naming_its_new_home(old, new):
     assert f"it moved: set {new}" in message and "\n" not in message
 
 
-def test_a_renamed_configurable_fails_in_one_line_naming_its_new_name():
+@pytest.mark.parametrize("binding,new", [("learner.MemoryConfig.remat = 'none'", "learner_jax.MemoryConfig"),
+                                         ("optim.make_optimizer.learning_rate = 0.1", "learner_jax.make_optimizer"),
+                                         ("sharding.MeshConfig.fsdp = 2", "learner_jax.MeshConfig")])
+def test_a_renamed_configurable_fails_in_one_line_naming_its_new_name(binding, new):
     from portable_rl.train import register_gin
 
     register_gin()
     try:
         with pytest.raises(SystemExit) as e:
             try:
-                _parse("learner.MemoryConfig.remat = 'none'")
+                _parse(binding)
             except ValueError as err:
                 gin_utils.exit_gin_error(err)
     finally:
         gin.clear_config()
     message = str(e.value)
-    assert "it was renamed: use learner_jax.MemoryConfig" in message and "\n" not in message
+    assert f"it was renamed: use {new}" in message and "\n" not in message
 
 
 def test_the_gin_files_use_no_flat_name():
