@@ -106,7 +106,7 @@ def main(argv=None):
         def step(name):
             t0 = time.perf_counter()
             batch, _ = build_batch(cfg, plain if name == "own" else routed, 0)
-            arms[name].step(batch)
+            arms[name].update(arms[name].prepare(batch))
             return time.perf_counter() - t0
 
         rolls = [r for g in routed for r in g.rollouts]

@@ -293,3 +293,18 @@ def test_learner_throughput_tiny_same_update_on_all_sides(tmp_path):
     assert sides["old"]["padded_tokens"] >= sides["torch"]["padded_tokens"] >= r["real_tokens"]
     new_over_torch = sides["new"]["tokens_per_s"] / sides["torch"]["tokens_per_s"]
     assert r["ratio_vs_torch"]["new"] == pytest.approx(new_over_torch)
+
+
+@pytest.mark.slow
+def test_routing_replay_tiny_times_every_arm_on_the_same_routed_batch(tmp_path):
+    out = tmp_path / "replay_cost.json"
+    run([sys.executable, "-m", "benchmarks.routing_replay", "--size", "tiny", "--experts", "4", "--groups", "2",
+         "--samples", "2", "--prompt-tokens", "8", "--response-tokens", "8", "--reps", "1", "--json", str(out)],
+        timeout=600)
+    result = json.loads(out.read_text())
+    assert set(result["seconds"]) == {"own", "replay", "compare"} and all(v > 0 for v in result["seconds"].values())
+    assert result["batch_shape"][0] == 4 and result["batch_shape"][-1] == 2  # 4 sequences, top-2 routing
+    import statistics
+
+    med = {arm: statistics.median(t) for arm, t in result["raw_seconds"].items()}
+    assert result["replay_share"] == pytest.approx(med["replay"] / med["own"] - 1)
