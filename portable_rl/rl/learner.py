@@ -141,6 +141,12 @@ def row_logprobs(model, batch, temperature: float, chunk_tokens=None, return_rou
                              return_routing=return_routing)
 
 
+def _require_routing(batch: dict) -> None:
+    if _ROUTED not in batch:
+        raise ConfigError("routing replay / compare_routing but the batch has no routed_experts: start the engine "
+                          "with return_routed_experts=True (vLLM) so its rollouts carry them")
+
+
 def own_routing_scores(model, batch, engine_experts, temperature: float, chunk_tokens=None):
     """The own-routing forward of rows (`batch` without routed_experts) and its agreement with the engine's
     routing `engine_experts` [R, L, S, K] (-1: none) → (logp [R, L], agreeing (token, layer) pairs, pairs
@@ -526,8 +532,8 @@ class Learner:
         """(logprobs [N, T] as `old_logprobs`, under the engine's routing (`replay`) or the learner's own; with
         `agreement`, also (agreeing (token, layer) pairs, pairs) of the own routing with the engine's)."""
         layouts = self.micro_layouts(batch) if layouts is None else layouts
-        if (replay or agreement) and _ROUTED not in batch:
-            raise ConfigError("routing replay but the batch has no routed_experts (batching.pack_rollouts(routed_experts=...))")
+        if replay or agreement:
+            _require_routing(batch)
         view = _view(batch)
         keys = _FORWARD_KEYS + ((_ROUTED,) if replay else ())
         old, agree = np.zeros(batch["input_ids"].shape, np.float32), np.zeros(2, np.int64)
@@ -553,9 +559,8 @@ class Learner:
         correction; with `defers_first_mini_batch`, not for the first non-empty mini-batch (its update
         computes them, and the `tis/*` metrics come from `update`). Bypass: old := rollout logprobs,
         weights 1, nothing rejected, no forward pass."""
-        if (self.replays or self.compare_routing) and _ROUTED not in batch:
-            raise ConfigError("routing replay / compare_routing but the batch has no routed_experts: start the engine "
-                              "with return_routed_experts=True (vLLM) so its rollouts carry them")
+        if self.replays or self.compare_routing:  # the loss replays too, so also in bypass (no forward here)
+            _require_routing(batch)
         layouts = self.micro_layouts(batch)
         mask = np.asarray(batch["response_mask"], np.float32)
         deferred = next((i for i, mini in enumerate(layouts) if mini), None) if self.defers_first_mini_batch else None
