@@ -289,6 +289,22 @@ def test_tool_traces_carry_real_observations_and_solve_the_question(task):
     assert all("<observation>" in e.answer and e.answer.endswith("</solution>") for e in batch)
 
 
+def test_tool_traces_fit_short_turn_limits(task):
+    """max_turns 2 leaves one query (no peek), max_turns 1 answers at once: the no-tool ablation's warm start."""
+    example = task.train_batch(0, 0, 1)[0]
+    for max_turns, roles in ((2, ["assistant", "user", "assistant"]), (1, ["assistant"])):
+        turns = tool_trace(example, np.random.default_rng(0), peek_probability=1.0, max_turns=max_turns)
+        assert [t["role"] for t in turns] == roles
+        env = SqlEnvironment(max_turns=max_turns)
+        env.reset(example)
+        for turn in turns[0::2][:-1]:
+            assert not env.step(turn["content"]).done
+        final = env.step(turns[-1]["content"])
+        assert final.done and final.reward == 1.0
+    no_tool = SqlTraceTask(task, max_turns=1).train_batch(0, 0, 4)
+    assert all(e.answer.startswith("<solution>") and "<sql>" not in e.answer for e in no_tool)
+
+
 # ---- SkyRL-SQL's published data ------------------------------------------------------------------------------------
 
 def _skyrl_rows(db_ids, newfmt=True):

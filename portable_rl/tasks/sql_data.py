@@ -447,13 +447,13 @@ def tool_trace(example: Example, rng: np.random.Generator, peek_probability: flo
     """A correct trajectory for a generated `example` as chat turns: assistant `<sql>` (the gold query, or with
     `peek_probability` first a look at its first table), user observation (the real one, from a `SqlEnvironment`
     of `max_turns` turns and `environment_kwargs`, so the reminders and tables match training), ..., assistant
-    `<solution>gold</solution>`."""
-    queries = [example.answer]
-    if rng.random() < peek_probability:
+    `<solution>gold</solution>`. The solution needs the last turn, so `max_turns` 2 never peeks and `max_turns` 1
+    answers at once without the tool (the no-tool ablation's warm start)."""
+    peek = rng.random() < peek_probability  # drawn whatever max_turns is: the same traces for every max_turns >= 3
+    queries = [] if max_turns == 1 else [example.answer]
+    if peek and max_turns >= 3:
         table = example.answer.split(" FROM ", 1)[1].split()[0]
         queries.insert(0, f"SELECT * FROM {table} LIMIT 3")
-    if len(queries) >= max_turns:
-        raise ConfigError(f"max_turns={max_turns} leaves no turn for the solution; use max_turns >= 3")
     env = SqlEnvironment(max_turns=max_turns, **environment_kwargs)
     env.reset(example)
     turns = []
@@ -478,7 +478,7 @@ class SqlTraceTask:
       sql_task: the generated task whose questions and databases are used.
       peek_probability: the share of traces that look at the table before querying.
       max_turns: the environment's turn limit the traces' reminders count down from: the RL run's
-        `rl.EnvironmentConfig.max_turns`.
+        `rl.EnvironmentConfig.max_turns`; 1 gives traces that answer without the tool.
       environment_kwargs: the SQL environment's other settings (`max_rows`, ...): the RL run's
         `rl.EnvironmentConfig.kwargs`, so the traces' observations are the ones training shows.
       reward: the registered text reward a single-turn scorer would use: the whole trace, verbatim.
