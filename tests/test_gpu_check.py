@@ -1,6 +1,6 @@
 """The GPU check's arithmetic (benchmarks/gpu_check.py): FLOPs per update, the peak of a named GPU, the layer count
 that fits, and the micro-batch layout each arm asks of the learner. The script itself is rehearsed end to end on
-CPU by tests/test_benchmarks_smoke.py::test_gpu_check_dry_run_writes_results."""
+CPU by tests/test_benchmarks_gpu_check.py::test_gpu_check_dry_run_writes_results."""
 
 import pytest
 
