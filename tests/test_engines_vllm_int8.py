@@ -7,8 +7,8 @@ tokens, sampled logprobs equal to 1e-6), also after pushing twice with allocatio
 what vLLM's layerwise reload broke on the oneDNN path (engines/vllm_internals.py keeping_int8_handler_scale: without the patch the
 kernel reads a freed scale; `test_without_the_patch_a_reload_serves_garbage` shows the test would see it).
 Engines cost tens of seconds to start: one from the bf16 checkpoint, on oneDNN, serves the module; only the
-push test's reference (a fresh engine on the moved weights), its AMX arm and the unpatched-reload test start
-their own.
+push test's reference (a fresh engine on the moved weights) and its AMX arm start their own. The unpatched-reload
+test, last, breaks the module's engine on purpose.
 """
 
 import contextlib
@@ -103,7 +103,7 @@ def int8_root(tmp_path_factory):
 def engine(amx_refused, smollm2, int8_root):
     """One INT8 engine started from the bf16 checkpoint, on oneDNN, shared by the module (each start costs
     tens of seconds). Every test leaves it serving the checkpoint's weights, except the push test, which
-    comes after the others that use it; the unpatched-reload test breaks its engine, so it starts its own."""
+    comes after the others that read them, and the unpatched-reload test, last, which breaks it."""
     with _engine(smollm2, int8_root) as engine:
         yield engine
 
@@ -149,34 +149,14 @@ def test_bad_pushes_are_refused_and_leave_the_engine_serving(engine, learner):
     _assert_same_service(_serve(engine), before)
 
 
-def test_without_the_patch_a_reload_serves_garbage(smollm2, learner, tmp_path, monkeypatch):
-    """The test below can fail: with vLLM's own oneDNN processing the reloaded kernels read freed scales.
-    Its own engine: a patched reload does not mend one broken this way."""
-    from vllm.model_executor.kernels.linear.scaled_mm import cpu
-
-    start, config = learner
-    monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
-    K = cpu.CPUInt8ScaledMMLinearKernel
-    vllm_internals.install_cpu_patches()  # once per process: the engine below then leaves vLLM's original in place
-    monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
-    with _engine(smollm2, tmp_path) as engine:
-        before = _serve(engine)
-        for _ in range(2):
-            engine.update_weights(iter_hf_tensors(start, config))  # the SAME weights twice
-            junk = _allocate_over_freed_scales()
-        after = _serve(engine)
-        del junk
-    assert after[0] != before[0]
-
-
-def test_push_serves_what_a_fresh_engine_serves(kernel_path, request, smollm2, moved, tmp_path):
+def test_push_serves_what_a_fresh_engine_serves(kernel_path, request, smollm2, moved, int8_root, tmp_path):
     model, config, moved_path = moved
     with _engine(moved_path, tmp_path) as fresh:
         assert _kernel_path(fresh).endswith("onednn" if kernel_path == "onednn" else "sgl")
         expected = _serve(fresh)
     with contextlib.ExitStack() as own:  # oneDNN: the module's engine; AMX: one of its own
         engine = (request.getfixturevalue("engine") if kernel_path == "onednn"
-                  else own.enter_context(_engine(smollm2, tmp_path)))
+                  else own.enter_context(_engine(smollm2, int8_root)))
         before = _serve(engine)
         assert before[0] != expected[0]  # the moved weights really serve differently
         push_weights(engine, model, config)  # the learner's JAX int8 + weight_scale
@@ -197,3 +177,21 @@ def test_int8_refused_where_it_cannot_be_served(smollm2, tmp_path):
     with pytest.raises(ConfigError, match="already quantized another way: start from its bf16 original"):
         _engine(fp8, tmp_path / "root")
     assert not (tmp_path / "root").exists()  # nothing written
+
+
+def test_without_the_patch_a_reload_serves_garbage(engine, learner, monkeypatch):
+    """The push test above can fail: with vLLM's own oneDNN processing the reloaded kernels read freed scales.
+    Last in the module: it breaks the module's engine (a patched reload does not mend one broken this way)."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    start, config = learner
+    engine.update_weights(iter_hf_tensors(start, config))  # patched: the checkpoint's weights, whatever ran before
+    before = _serve(engine)
+    K = cpu.CPUInt8ScaledMMLinearKernel
+    monkeypatch.setattr(K, "process_weights_for_onednn", vllm_internals.unpatched(K, "process_weights_for_onednn"))
+    for _ in range(2):
+        engine.update_weights(iter_hf_tensors(start, config))  # the SAME weights twice
+        junk = _allocate_over_freed_scales()
+    after = _serve(engine)
+    del junk
+    assert after[0] != before[0]

@@ -1,7 +1,8 @@
 """The dry-run planner (`python -m portable_rl.plan`): the engine's sizes against published parameter counts,
 the learner's depth extrapolation against a full compile, the gin traps it flags, one-line errors, and every
 GPU launch command of the docs and every GPU recipe planned to fit at its stated hardware. The tests that compile
-are marked slow (the recipes: 1-3 min each uncached on 2 loaded cores, cached by the request's hash afterwards)."""
+are marked slow (the recipes: 1-3 min each uncached on 2 loaded cores, cached by the request's hash afterwards;
+the uncached ones all compile in one process, `recipes_compiled`)."""
 
 import dataclasses
 import json
@@ -17,7 +18,7 @@ import pytest
 
 from portable_rl import plan as plan_cli
 from portable_rl.planning.engine import engine_memory, param_counts
-from portable_rl.planning.learner_peak import PeakRequest, extrapolate
+from portable_rl.planning.learner_peak import COMPILED_LAYERS, PeakRequest, compile_missing, extrapolate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "portable_rl" / "planning" / "configs"
@@ -250,6 +251,52 @@ def plan_argv(recipe: str, extra=()) -> tuple[list[str], dict]:
             "--model_config", config], env
 
 
+def doc_plan_argv(argv) -> list[str]:
+    """The planner's flags for a doc command: its gin files and bindings (the test's paths instead of the doc's),
+    and its recipe's stated hardware."""
+    recipe = next(Path(a.split("=", 1)[1]).name for a in argv if a.startswith("--gin_file=gin/recipes/"))
+    base, _ = plan_argv(recipe)
+    paths = RECIPE_PATHS.get(recipe, FAKE_PATHS)
+    flags = [a for a in argv if a.startswith("--gin_file")] + paths + [
+        a for a in argv if a.startswith("--gin.") and a.split("=")[0] not in
+        {p.split("=")[0] for p in paths} | {"--gin.RUN_DIR"}]
+    return flags + base[base.index("--gpus"):]
+
+
+class _Planned(Exception):
+    """The learner request a plan reached (recipes_compiled stops the plan there)."""
+
+
+@pytest.fixture(scope="module")
+def recipes_compiled(request):
+    """The learner compiles of the recipe plans this session runs (the selected recipe cases; every doc command
+    when test_doc_launch_commands_fit is selected), cached up front in ONE process: one JAX start and import
+    instead of one per recipe (learner_peak.compile_missing). The tests then plan through the cache."""
+    items = [item for item in request.session.items if item.path == Path(__file__).resolve()]
+    plans = [plan_argv(item.callspec.params["recipe"]) for item in items
+             if item.originalname == "test_recipe_fits_its_stated_hardware"]
+    if any(item.originalname == "test_doc_launch_commands_fit" for item in items):
+        plans += [(doc_plan_argv(argv), env) for _, env, argv in doc_commands()]
+
+    def stop(learner_request, layers):
+        assert layers == COMPILED_LAYERS
+        raise _Planned(learner_request)
+
+    requests = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_cli, "predict_peak_in_subprocess", stop)
+        for argv, env in plans:
+            gin.clear_config()
+            with pytest.raises(_Planned) as planned:
+                plan_cli.run_plan(argv, environ=env)
+            requests.append(planned.value.args[0])
+    gin.clear_config()
+    try:
+        compile_missing(requests)
+    except RuntimeError:
+        pass  # one request failed to compile: each test compiles its own and names its recipe
+
+
 def assert_fits(argv, env):
     result = plan_cli.run_plan(argv, environ=env)
     text = "\n".join(result.lines)
@@ -260,7 +307,7 @@ def assert_fits(argv, env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(GPU_RECIPES))
-def test_recipe_fits_its_stated_hardware(recipe):
+def test_recipe_fits_its_stated_hardware(recipe, recipes_compiled):
     """XLA compiles at 1 and 2 layers of the real widths (~1 min each recipe; cached by the request's hash)."""
     argv, env = plan_argv(recipe)
     result = assert_fits(argv, env)
@@ -273,16 +320,10 @@ def test_recipe_fits_its_stated_hardware(recipe):
 
 
 @pytest.mark.slow
-def test_doc_launch_commands_fit():
+def test_doc_launch_commands_fit(recipes_compiled):
     commands = doc_commands()
     assert len(commands) >= 4, "README.md / docs/ have GPU launch commands"
     for where, env, argv in commands:
-        recipe = next(Path(a.split("=", 1)[1]).name for a in argv if a.startswith("--gin_file=gin/recipes/"))
-        base, _ = plan_argv(recipe)
         gin.clear_config()
-        paths = RECIPE_PATHS.get(recipe, FAKE_PATHS)
-        flags = [a for a in argv if a.startswith("--gin_file")] + paths + [
-            a for a in argv if a.startswith("--gin.") and a.split("=")[0] not in
-            {p.split("=")[0] for p in paths} | {"--gin.RUN_DIR"}]
-        result = plan_cli.run_plan(flags + base[base.index("--gpus"):], environ=env)
+        result = plan_cli.run_plan(doc_plan_argv(argv), environ=env)
         assert result.fits and not result.data["warnings"], f"{where}: " + "\n".join(result.lines)

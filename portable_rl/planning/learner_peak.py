@@ -31,9 +31,10 @@ came out 12-25 % above a 2/4-layer extrapolation (docs/scaling.md), so the plann
 `EXTRAPOLATION_MARGIN` to the extrapolated temporaries.
 
 Host devices must be requested before JAX starts its CPU backend, so `predict_peak_in_subprocess` runs this
-module (`python -m portable_rl.planning.learner_peak`, a JSON request on stdin, the JSON answer on stdout) in
+module (`python -m portable_rl.planning.learner_peak`, JSON requests on stdin, the JSON answers on stdout) in
 a fresh process with `--xla_force_host_platform_device_count` = the mesh's size, and caches the answer by the
-request's hash (`PORTABLE_RL_PLAN_CACHE`, default ~/.cache/portable_rl/plan).
+request's hash (`PORTABLE_RL_PLAN_CACHE`, default ~/.cache/portable_rl/plan). `compile_missing` compiles the
+uncached requests of several plans in one such process (as many devices as the largest mesh).
 """
 
 from __future__ import annotations
@@ -281,31 +282,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PORTABLE_RL_PLAN_CACHE", Path.home() / ".cache" / "portable_rl" / "plan"))
 
 
+def compile_in_subprocess(requests: list[PeakRequest], timeout_s: float = 1800) -> list[dict]:
+    """`compile_request` of each request, in one fresh process with as many host devices as the largest mesh
+    (each mesh takes the first prod(mesh) of them)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                        f"{max(math.prod(r.mesh) for r in requests)}").strip()
+    payload = json.dumps([dataclasses.asdict(r) for r in requests])
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.planning.learner_peak"], input=payload,
+                          capture_output=True, text=True, env=env, timeout=timeout_s)
+    if proc.returncode:
+        raise RuntimeError(f"learner compile failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_missing(requests: list[PeakRequest], layers=COMPILED_LAYERS, timeout_s: float = 1800) -> None:
+    """Caches the compiles of `requests` at `layers` (None: the full depth) that the cache lacks, all in one
+    process: several plans pay one process start and JAX import instead of one each."""
+    missing = []
+    for request in requests:
+        for n in [request.hf_config["num_hidden_layers"]] if layers is None else layers:
+            r = request.with_layers(n)
+            if not (cache_dir() / f"{r.key()}.json").exists() and r not in missing:
+                missing.append(r)
+    if missing:
+        results = compile_in_subprocess(missing, timeout_s)
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        for r, result in zip(missing, results):
+            (cache_dir() / f"{r.key()}.json").write_text(json.dumps(result))
+
+
 def predict_peak_in_subprocess(request: PeakRequest, layers=COMPILED_LAYERS, timeout_s: float = 1800) -> dict:
     """The full-depth peak of `request` (module doc): compiles at `layers` (one fresh process, prod(mesh) host
     devices) and extrapolates; `layers=None` compiles the full depth once (no extrapolation). Cached."""
+    compile_missing([request], layers, timeout_s)
     full = request.hf_config["num_hidden_layers"]
-    wanted = [full] if layers is None else [n for n in layers]
-    at, missing = {}, []
-    for n in wanted:
-        path = cache_dir() / f"{request.with_layers(n).key()}.json"
-        if path.exists():
-            at[n] = json.loads(path.read_text())
-        else:
-            missing.append(n)
-    if missing:
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                            f"{math.prod(request.mesh)}").strip()
-        payload = json.dumps([dataclasses.asdict(request.with_layers(n)) for n in missing])
-        proc = subprocess.run([sys.executable, "-m", "portable_rl.planning.learner_peak"], input=payload,
-                              capture_output=True, text=True, env=env, timeout=timeout_s)
-        if proc.returncode:
-            raise RuntimeError(f"learner compile failed:\n{proc.stderr[-4000:]}")
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        for n, result in zip(missing, json.loads(proc.stdout.strip().splitlines()[-1])):
-            (cache_dir() / f"{request.with_layers(n).key()}.json").write_text(json.dumps(result))
-            at[n] = result
+    at = {n: json.loads((cache_dir() / f"{request.with_layers(n).key()}.json").read_text())
+          for n in ([full] if layers is None else layers)}
     if layers is None:
         return {**at[full], "layers": full, "compiled_layers": [full], "extrapolation_margin": 0.0}
     return extrapolate(at, full)
