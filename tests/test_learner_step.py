@@ -196,8 +196,9 @@ def test_deferred_first_mini_batch_skips_its_forward_and_equals_recompute(batch,
 
 def test_completing_the_deferred_mini_batch_equals_recomputing_it(batch):
     """DeferredMiniBatch.complete on what the loss's own forward returns for the deferred micro-batches (their old
-    logprobs, stop-gradient, and token TIS weights) gives the PreparedBatch that recomputing them in a
-    separate forward gives: old logprobs, weights, micro-batches and tis/* metrics, to fp32 tolerance.
+    logprobs, stop-gradient, and token TIS weights, which it pops, leaving the metrics) gives the PreparedBatch
+    that recomputing them in a separate forward gives: old logprobs, weights, micro-batches and tis/* metrics,
+    to fp32 tolerance.
     Three mini-batches (the first deferred), each in 48-token micro-batches."""
     memory = MemoryConfig(max_tokens_per_micro_batch=48, logprob_chunk_tokens=None)
     deferring = make_learner("decoupled", TOKEN_TIS, True, mini_batch_size=1, memory=memory)
@@ -208,10 +209,10 @@ def test_completing_the_deferred_mini_batch_equals_recomputing_it(batch):
     assert not any(k in mb for mb in prepared.micro_batches[index] for k in learner_lib.DeferredMiniBatch.KEYS)
     assert not any(k.startswith("tis/") for k in prepared.metrics)
     loss_fn = learner_lib.make_loss_fn(deferring.cfg.loss, 1.0, None, TOKEN_TIS)
-    rows = [{k: np.asarray(loss_fn(deferring.model, mb)[1][k]) for k in learner_lib.DeferredMiniBatch.KEYS}
-            for mb in prepared.micro_batches[index]]
-    got = prepared.deferred.complete(prepared, rows, TOKEN_TIS)
+    outputs = [dict(loss_fn(deferring.model, mb)[1]) for mb in prepared.micro_batches[index]]
+    got = prepared.deferred.complete(prepared, outputs, TOKEN_TIS)
     assert got.deferred is None and prepared.deferred is not None and prepared.micro_batches is not got.micro_batches
+    assert all("tokens" in out and not set(learner_lib.DeferredMiniBatch.KEYS) & set(out) for out in outputs)
     np.testing.assert_allclose(got.old_logprobs, want.old_logprobs, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.tis_weights, want.tis_weights, rtol=1e-5, atol=1e-6)
     assert (got.tis_weights[1][batch["response_mask"][1] > 0] < 1).all()   # sequence 1's weights are corrected

@@ -1,7 +1,8 @@
 """Every vLLM internal portable_rl relies on (written against vLLM 0.32), in one place, each with a canary.
 
-The adapter (vllm_adapter.py) and the worker extension (vllm_worker.py) touch vLLM beyond its public API
-(`LLM`, `SamplingParams`, `collective_rpc`, `sleep`/`wake_up`) only through the functions here. `INTERNALS`
+The adapter (vllm_adapter.py), the worker extension (vllm_worker.py) and the MoE support (vllm_moe.py: expert
+reload, routing capture) touch vLLM beyond its public API (`LLM`, `SamplingParams`, `collective_rpc`,
+`sleep`/`wake_up`) only through the functions here. `INTERNALS`
 lists each such dependency: the vLLM symbol, what we assume about it and why, our code that breaks with it,
 and a check that reads vLLM's source (never imports it, so it also runs on a GPU wheel on a CPU box):
 

@@ -43,20 +43,14 @@ and the optimizer runs once per mini-batch (`step.make_apply_step`); with one mi
 `step.make_train_step` runs instead. Since ω comes from the whole mini-batch, every layout computes the
 same update (tests/test_micro_batches.py, tests/test_memory_equivalence.py).
 
-Deferred first mini-batch (`LossConfig.old_logprobs_from_update`, decoupled mode): no update has run yet when
-the first non-empty mini-batch trains, so its old logprobs are the update's own forward pass, stop-gradient
-(verl's `on_policy` shortcut), and `prepare` skips that forward. Its micro-batches then carry no
-old_logprobs / tis_weights (their view rows are 0; `PreparedBatch.deferred` says which mini-batch), and the
-loss, given a micro-batch without them, computes them from its forward:
+Deferred first mini-batch (`LossConfig.old_logprobs_from_update`, decoupled, token-local correction): no update
+has run when the first non-empty mini-batch trains, so its old logprobs are its update's own forward pass, and
+`prepare` skips that mini-batch's forward (verl's `on_policy` shortcut):
 
-    old_t = stop_gradient(new_t),  ratio_t = 1,  w_t, keep_t = tis.apply_rollout_correction(cfg, old, rollout)
+    old_t = stop_gradient(new_t),  ratio_t = 1,  w_t = tis.apply_rollout_correction(cfg, old, rollout)_t
 
-and returns old and w [R, L] with its metrics. Only for a token-local correction
-(`RolloutCorrectionConfig.token_local`: token or no TIS, no masks, no self-normalization): w_t needs only
-token t, and keep = the response mask, so ω is known before the forward. `DeferredMiniBatch.complete` (pure) puts
-those rows into a new PreparedBatch, with the `tis/*` metrics of the whole view: the one `prepare` returns
-when it recomputes (tests/test_learner_step.py). `update` trains the later ppo_epochs passes on it and
-returns its `tis/*` metrics; the PreparedBatch it was given is not modified.
+Why that is the same update, when it applies, and its lifecycle from `prepare` through the loss to `update` /
+`gradient`: `DeferredMiniBatch`.
 
 Served weights (`rl.PrecisionConfig.learner_precision = 'engine'`, `serve_weights_as(quantization)`): every forward
 above (old logprobs, the deferred mini-batch's, the loss) runs on `served_view.served_view(model, quantization)`, the
@@ -160,6 +154,97 @@ def own_routing_scores(model, batch, engine_experts, temperature: float, chunk_t
     return logp, jnp.sum(same & routed), jnp.sum(routed)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeferredMiniBatch:
+    """The first non-empty mini-batch of a step, whose old logprobs and TIS weights its own update computes
+    (`LossConfig.old_logprobs_from_update`; module doc).
+
+    Why: `update` trains the mini-batches in order, and refuses a PreparedBatch once any update ran since its
+    `prepare`, so when the first non-empty mini-batch's loss runs its forward the weights are still the ones
+    `prepare` would score with. Its old logprobs are that forward, stop-gradient (ratio 1): `prepare` saves one
+    forward per micro-batch of it, and the update, weights and metrics equal recomputing's to fp32 tolerance
+    (tests/test_learner_step.py). Later mini-batches train after an update and keep `prepare`'s forward.
+    When: decoupled mode (bypass has no forward to save); a token-local correction
+    (`RolloutCorrectionConfig.token_local`: w_t needs only token t and keep = the response mask, so the loss
+    weights ω are known before the forward); and not own routing with `compare_routing` (that forward also
+    gives the agreement). `Learner.defers_first_mini_batch` says whether a learner defers.
+
+    Its lifecycle:
+      create    `first` (in `Learner.prepare`): the first non-empty mini-batch of the layouts, or None.
+      prepare   `prepare` runs no forward on it (`index`), so its view rows of old logprobs are 0, and leaves the
+                correction's `tis/*` metrics to `complete`; `leave_out` then hands the PreparedBatch on with its
+                view rows of the TIS weights 0 and its micro-batches without KEYS (`strip`).
+      consume   `in_loss` (in `make_loss_fn`'s loss, inside the jitted step): a micro-batch without KEYS computes
+                them from its own forward and returns them [R, L] among the loss outputs. The branch is on the
+                micro-batch's keys, so it is decided when jit traces: one jitted step serves both kinds.
+      release   `complete` (in `Learner.update` and `Learner.gradient`, after its micro-batches' forward): pops
+                KEYS from their outputs and returns a new PreparedBatch with them written in, `deferred` None and
+                the `tis/*` metrics of the whole view: what `prepare` returns when it recomputes. The one given
+                is not modified; `update`'s later ppo_epochs passes train on the new one."""
+    index: int                           # in PreparedBatch.micro_batches
+    layouts: list[batching.Layout]       # of its micro-batches
+    rollout_logprobs: np.ndarray         # [N, T] of the view
+    response_mask: np.ndarray            # [N, T]
+    turn_index: np.ndarray | None        # [N, T] for multi-turn trajectories (batching.pack_rollouts), else None
+
+    KEYS = ("old_logprobs", "tis_weights")  # what its update computes: [R, L] arrays
+
+    @classmethod
+    def first(cls, batch: dict, layouts: list[list[batching.Layout]]) -> DeferredMiniBatch | None:
+        """create: the first mini-batch of `layouts` (per mini-batch, its micro-batches' Layouts) that holds a
+        sequence, with the views of `batch` that `complete` corrects; None when every one is empty."""
+        index = next((i for i, mini in enumerate(layouts) if mini), None)
+        if index is None:
+            return None
+        return cls(index, layouts[index], batch["rollout_logprobs"], batch["response_mask"], batch.get("turn_index"))
+
+    @classmethod
+    def strip(cls, micro_batch: dict) -> dict:
+        """One of its micro-batches as `prepare` hands it on: without the arrays the update computes."""
+        return {k: v for k, v in micro_batch.items() if k not in cls.KEYS}
+
+    def leave_out(self, prepared: PreparedBatch) -> PreparedBatch:
+        """prepare: `prepared` (scored without this mini-batch's forward) with its view rows of the TIS weights 0
+        and its micro-batches stripped of KEYS, `deferred` = self. `prepared` is not modified."""
+        weights = prepared.tis_weights.copy()                                                 # [N, T]
+        weights[_sequences(self.layouts)] = 0.0
+        micro = list(prepared.micro_batches)
+        micro[self.index] = [self.strip(mb) for mb in micro[self.index]]
+        return dataclasses.replace(prepared, micro_batches=micro, tis_weights=weights, deferred=self)
+
+    @staticmethod
+    def in_loss(micro_batch: dict, new_logp, correction: tis.RolloutCorrectionConfig) -> tuple[dict, dict]:
+        """consume, traced in the loss: a micro-batch without KEYS (one of its micro-batches) → (the micro-batch with
+        old = stop_gradient(new_logp) on the response mask and w = its `correction` weights, {those two [R, L]}:
+        the loss returns them among its outputs for `complete`); any other micro-batch → (itself, {})."""
+        if "old_logprobs" in micro_batch:
+            return micro_batch, {}
+        old = jax.lax.stop_gradient(new_logp) * micro_batch["response_mask"]                  # [R, L]
+        weights, _, _ = tis.apply_rollout_correction(correction, old, micro_batch["rollout_logprobs"],
+                                                     micro_batch["response_mask"])
+        computed = {"old_logprobs": old, "tis_weights": weights}
+        return dict(micro_batch, **computed), computed
+
+    def complete(self, prepared: PreparedBatch, outputs: list[dict],
+                 correction: tis.RolloutCorrectionConfig) -> PreparedBatch:
+        """release: `prepared` (whose `deferred` this is) with the KEYS popped from `outputs` (per micro-batch of
+        this mini-batch, its loss outputs; what stays there are the update's metrics) written into this
+        mini-batch's micro-batches and views, `deferred` None, and the `tis/*` metrics of the whole view added;
+        what `prepare` returns when it recomputes. `prepared` is not modified."""
+        rows = [{k: to_host(out.pop(k)) for k in self.KEYS} for out in outputs]
+        old, weights = prepared.old_logprobs.copy(), prepared.tis_weights.copy()            # [N, T]
+        for layout, r in zip(self.layouts, rows):
+            layout.to_view(r["old_logprobs"], old)
+            layout.to_view(r["tis_weights"], weights)
+        _, _, metrics = _correction_fn(correction)(old, self.rollout_logprobs, self.response_mask)
+        micro = list(prepared.micro_batches)
+        micro[self.index] = [dict(mb, **r) for mb, r in zip(micro[self.index], rows)]
+        return dataclasses.replace(
+            prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
+            metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()},
+                     **turn_metrics(old, self.rollout_logprobs, self.response_mask, self.turn_index)})
+
+
 def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, model_view=None):
     """Loss of one micro-batch: Σ ω·w·l (ω = `token_weights`: the aggregation, from the whole mini-batch),
     and metric SUMS over its tokens (`combine_metrics` divides). Uses only cfg's clip / mode settings and
@@ -167,10 +252,8 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
     load-balancing loss (moe.py), i.e. the loss gains c · aux · Σ ω over the micro-batch's loss tokens.
     `model_view(model)`: the model the forward runs (the served view, `Learner.serve_weights_as`); None: `model`.
 
-    A micro-batch of the deferred mini-batch (no `old_logprobs`; module doc) takes its old logprobs from this
-    forward pass, stop-gradient, and its TIS weights from them with `correction` (token-local); both are
-    returned among the metrics as [R, L] arrays (`DeferredMiniBatch.KEYS`). The branch is on the batch's keys, so it is
-    decided when jit traces: one jitted step serves both kinds of micro-batch."""
+    A micro-batch of the deferred mini-batch (no `old_logprobs`) takes them and its TIS weights (`correction`,
+    token-local) from this forward and returns them among the outputs: `DeferredMiniBatch.in_loss`."""
     def loss_fn(model, batch):
         if model_view is not None:
             model = model_view(model)
@@ -179,13 +262,7 @@ def make_loss_fn(cfg, temperature: float, chunk_tokens=None, correction=None, mo
             new_logp, entropy, routing = row_logprobs(model, batch, temperature, chunk_tokens, return_routing=True)
         else:
             new_logp, entropy = row_logprobs(model, batch, temperature, chunk_tokens)
-        deferred = {}
-        if "old_logprobs" not in batch:
-            old = jax.lax.stop_gradient(new_logp) * batch["response_mask"]             # [R, L]
-            weights, _, _ = tis.apply_rollout_correction(correction, old, batch["rollout_logprobs"],
-                                                         batch["response_mask"])
-            deferred = {"old_logprobs": old, "tis_weights": weights}
-            batch = dict(batch, **deferred)
+        batch, deferred = DeferredMiniBatch.in_loss(batch, new_logp, correction)
         mask = batch["response_mask"] * batch["keep_mask"]                          # [R, L]
         loss, metrics = policy_loss(
             new_logp, batch["old_logprobs"], batch["advantages"], mask,
@@ -270,56 +347,14 @@ def combine_metrics(parts: list[dict]) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeferredMiniBatch:
-    """The mini-batch whose old logprobs and TIS weights its own update computes (module doc), start to end:
-    `Learner.prepare` leaves them out of its micro-batches (`strip`), the loss computes them in the update's
-    (or `Learner.gradient`'s) forward, `rows_from` takes them from that forward's outputs, and `complete`
-    writes them into a new PreparedBatch with the correction of the whole view finished."""
-    index: int                           # in PreparedBatch.micro_batches
-    layouts: list[batching.Layout]       # of its micro-batches
-    rollout_logprobs: np.ndarray         # [N, T] of the view
-    response_mask: np.ndarray            # [N, T]
-    turn_index: np.ndarray | None        # [N, T] for multi-turn trajectories (batching.pack_rollouts), else None
-
-    KEYS = ("old_logprobs", "tis_weights")  # what its update computes: [R, L] arrays
-
-    @classmethod
-    def strip(cls, micro_batch: dict) -> dict:
-        """One of its micro-batches as `prepare` hands it on: without the arrays the update computes."""
-        return {k: v for k, v in micro_batch.items() if k not in cls.KEYS}
-
-    def rows_from(self, parts: list[dict]) -> list[dict]:
-        """Per micro-batch, the computed arrays as host arrays, popped from its loss outputs `parts` (what
-        stays there are the update's metrics)."""
-        return [{k: to_host(part.pop(k)) for k in self.KEYS} for part in parts]
-
-    def complete(self, prepared: PreparedBatch, rows: list[dict],
-                 correction: tis.RolloutCorrectionConfig) -> PreparedBatch:
-        """A new PreparedBatch: `prepared` (whose `deferred` this is) with `rows` (`rows_from`) written into
-        this mini-batch's micro-batches and views, and the `tis/*` metrics of the whole view added; what
-        `prepare` returns when it recomputes. `prepared` is not modified."""
-        old, weights = prepared.old_logprobs.copy(), prepared.tis_weights.copy()            # [N, T]
-        for layout, r in zip(self.layouts, rows):
-            layout.to_view(r["old_logprobs"], old)
-            layout.to_view(r["tis_weights"], weights)
-        _, _, metrics = _correction_fn(correction)(old, self.rollout_logprobs, self.response_mask)
-        micro = list(prepared.micro_batches)
-        micro[self.index] = [dict(mb, **r) for mb, r in zip(micro[self.index], rows)]
-        return dataclasses.replace(
-            prepared, micro_batches=micro, old_logprobs=old, tis_weights=weights, deferred=None,
-            metrics={**prepared.metrics, **{f"tis/{k}": float(v) for k, v in metrics.items()},
-                     **turn_metrics(old, self.rollout_logprobs, self.response_mask, self.turn_index)})
-
-
-@dataclasses.dataclass(frozen=True)
 class PreparedBatch:
     """What `Learner.prepare` hands `Learner.update`: per mini-batch its micro-batches (host arrays incl.
     old_logprobs, tis_weights, keep_mask, token_weights), the per-sequence views [N, T] of the
     correction, and the `tis/*` + `batch/*` metrics. `policy_version`: the learner's update count when
     the old logprobs were computed (None in bypass: they are the rollout's, of no learner policy).
-    `deferred`: the mini-batch whose update computes its old logprobs (its micro-batches lack
-    old_logprobs / tis_weights, its view rows are 0, and there are no `tis/*` metrics yet); None: all
-    computed here."""
+    `deferred`: the mini-batch whose update computes its old logprobs and TIS weights (`DeferredMiniBatch`:
+    its micro-batches lack them, its view rows are 0, and the correction's `tis/*` metrics come with
+    `DeferredMiniBatch.complete`); None: all computed here."""
     micro_batches: list[list[dict]]
     old_logprobs: np.ndarray
     tis_weights: np.ndarray
@@ -433,7 +468,7 @@ class Learner:
         self.served = MASTER  # the weights its forwards use (`serve_weights_as`)
         self._use_jitted()
         self._correct = _correction_fn(correction)
-        # the first mini-batch's old logprobs from its own update (module doc): decoupled, token-local correction
+        # the first mini-batch's old logprobs from its own update: when, and why (DeferredMiniBatch)
         self.defers_first_mini_batch = (not self.bypass and cfg.loss.old_logprobs_from_update
                                         and correction.token_local and (self.replays or not self.compare_routing))
 
@@ -563,17 +598,16 @@ class Learner:
             _require_routing(batch)
         layouts = self.micro_layouts(batch)
         mask = np.asarray(batch["response_mask"], np.float32)
-        deferred = next((i for i, mini in enumerate(layouts) if mini), None) if self.defers_first_mini_batch else None
+        deferred = DeferredMiniBatch.first(batch, layouts) if self.defers_first_mini_batch else None
         if self.bypass:
             old = np.asarray(batch["rollout_logprobs"], np.float32) * mask
             weights, keep, metrics, agreement = mask.copy(), np.ones_like(mask), {}, None
         else:
-            old, agreement = self._score(batch, layouts, skip=deferred, replay=self.replays,
-                                         agreement=self.compare_routing and not self.replays)
+            old, agreement = self._score(batch, layouts, skip=None if deferred is None else deferred.index,
+                                         replay=self.replays, agreement=self.compare_routing and not self.replays)
             weights, keep, metrics = self._correct(old, batch["rollout_logprobs"], batch["response_mask"])
             weights, keep = np.array(weights), np.asarray(keep)
-            if deferred is not None:  # token-local: keep is the mask; the update computes these rows' weights
-                weights[_sequences(layouts[deferred])] = 0.0
+            if deferred is not None:  # of a view whose deferred rows are 0: its `complete` reports them
                 metrics = {}
         routing_metrics = self._compare_routing(batch, layouts, agreement)
         loss_mask = batch["response_mask"] * keep                                        # [N, T]
@@ -591,8 +625,7 @@ class Learner:
             view["token_weights"][seq] = loss_token_weights(
                 loss_mask[seq], self.cfg.loss.loss_aggregation, self.cfg.norm_constant,
                 num_sequences=len(seq))
-            arrays = view if index != deferred else DeferredMiniBatch.strip(view)
-            micro.append([lay.arrays(arrays) for lay in mini])
+            micro.append([lay.arrays(view) for lay in mini])
             padding += sum(lay.padding_tokens for lay in mini)
             laid_out += sum(int(lay.length.sum()) for lay in mini)
             tokens += sum(lay.rows * lay.row_tokens for lay in mini)
@@ -605,12 +638,9 @@ class Learner:
                     "batch/learner_tokens": laid_out,
                     "batch/row_tokens": max((m[0].row_tokens for m in layouts if m), default=0),
                     "batch/micro_batches": sum(len(m) for m in layouts)})
-        return PreparedBatch(
-            micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep, metrics=out,
-            policy_version=None if self.bypass else self.updates,
-            deferred=None if deferred is None else DeferredMiniBatch(
-                deferred, layouts[deferred], batch["rollout_logprobs"], batch["response_mask"],
-                batch.get("turn_index")))
+        prepared = PreparedBatch(micro_batches=micro, old_logprobs=old, tis_weights=weights, keep_mask=keep,
+                                 metrics=out, policy_version=None if self.bypass else self.updates)
+        return prepared if deferred is None else deferred.leave_out(prepared)
 
     def _compare_routing(self, batch: dict, layouts, agreement) -> dict:
         """`compare_routing`'s metrics (module doc): the step scored under the other routing, one forward pass
@@ -660,7 +690,7 @@ class Learner:
                         applied = self._apply_step(self.model, self.optimizer, grads)
                 if prepared.deferred is not None and index == prepared.deferred.index:
                     # this forward gave the old logprobs: later passes (ppo_epochs > 1) train on the completed batch
-                    prepared = prepared.deferred.complete(prepared, prepared.deferred.rows_from(parts), self.correction)
+                    prepared = prepared.deferred.complete(prepared, parts, self.correction)
                     tis_metrics = {k: v for k, v in prepared.metrics.items() if k.startswith("tis/")}
                 parts = jax.device_get(parts)
                 update = combine_metrics([{k: float(v) for k, v in p.items()} for p in parts])
@@ -686,7 +716,7 @@ class Learner:
             with self._on_mesh():
                 grads, parts = self._micro_batch_gradients(micro)
             if prepared.deferred is not None and index == prepared.deferred.index:
-                completed = prepared.deferred.complete(prepared, prepared.deferred.rows_from(parts), self.correction)
+                completed = prepared.deferred.complete(prepared, parts, self.correction)
                 tis_metrics = {k: v for k, v in completed.metrics.items() if k.startswith("tis/")}
             flat = np.concatenate([np.asarray(jax.device_get(g), np.float32).ravel() for g in jax.tree.leaves(grads)])
             total = flat if total is None else total + flat
