@@ -189,7 +189,8 @@ def extrapolated(args) -> list[dict]:
 
 def report(args, path, layers, result, extra):
     row = {"model": args.model, "layers": layers, "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp,
-           "expert": args.expert, "path": path, **result, **extra}
+           "expert": args.expert, "path": path, "micro_tokens": args.micro_tokens or args.tokens_per_device,
+           "moe_dispatch": args.moe_dispatch, **result, **extra}
     if args.json:
         print(json.dumps(row), flush=True)
     else:

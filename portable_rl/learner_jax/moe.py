@@ -122,6 +122,10 @@ class Experts(nnx.Module):
             return w if axis_name is None else jax.lax.all_gather(w, axis_name, axis=axis, tiled=True)
 
         def local(x, experts, weights, gate, up, down):  # [rows, ·] here; [E / P, D / fsdp, F / tensor] here
+            # The gathers wait for this layer's rows: a weight is available from the start, and XLA:CPU's
+            # scheduler otherwise gathers every layer's experts at once (0 * x: XLA cannot prove it zero).
+            zero = 0 * x[0, 0]
+            gate, up, down = (w + zero.astype(w.dtype) for w in (gate, up, down))
             gate, up, down = gather(gate, embed, 1), gather(up, embed, 1), gather(down, embed, 2)  # [E / P, D, ·]
             first = 0
             if ways > 1:
@@ -156,11 +160,32 @@ def grouped_swiglu(x, experts, weights, gate, up, down, *, first_expert, compute
         return jax.lax.ragged_dot(rows.astype(compute_dtype), w.astype(compute_dtype), group_sizes,
                                   preferred_element_type=jnp.float32).astype(compute_dtype)
 
-    rows = x[order // K]                                                  # [M·K, D] token of each pair
+    inverse = jnp.argsort(order)                                          # [M·K] position of each pair
+    rows = permute_rows(jnp.repeat(x, K, axis=0), order, inverse)         # [M·K, D] token of each pair
     h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)              # [M·K, F]
-    y_pairs = grouped(h, down)[jnp.argsort(order)].reshape(M, K, -1)      # back to (token, slot) order
+    y_pairs = permute_rows(grouped(h, down), inverse, order).reshape(M, K, -1)  # back to (token, slot) order
     y_pairs = jnp.where(mine.reshape(M, K, 1), y_pairs.astype(jnp.float32), 0.0)
     return jnp.einsum("mk,mkd->md", weights, y_pairs)                     # [M, D] f32
+
+
+@jax.custom_vjp
+def permute_rows(x, perm, inverse):
+    """x[perm] for a permutation `perm` of x's rows, `inverse` = argsort(perm). Its transpose is the gather
+    g[inverse]: JAX's own transpose of a gather is a scatter-add into a zero buffer of x's size, and XLA
+    allocated that [M·K, D] f32 buffer for every layer at the start of the step (the per-layer part of the
+    planned temporaries; docs/experiments/moe.md)."""
+    return x[perm]
+
+
+def _permute_rows_fwd(x, perm, inverse):
+    return x[perm], inverse
+
+
+def _permute_rows_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def route(logits, top_k: int, norm_topk_prob: bool, forced_experts=None):
