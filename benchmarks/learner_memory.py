@@ -39,7 +39,8 @@ compiled function's numbers, the knobs, compile_seconds.
     python -m benchmarks.learner_memory --model qwen2_5_7b --tokens_per_device 16384 --fsdp 8 --path both
     python -m benchmarks.learner_memory --model qwen3_8b --layers 4 ...       (fewer layers, same widths)
     python -m benchmarks.learner_memory --model qwen3_30b_a3b --tokens_per_device 16384 --fsdp 8 --expert 1 \
-        --extrapolate --json     (an MoE model: the experts split over fsdp x expert; the planner's 1- and
+        --moe_dispatch local --extrapolate --json
+                                 (an MoE model: the experts split over fsdp x expert; the planner's 1- and
                                   2-layer compiles extrapolated to the full depth, each in a fresh process)
 
 Mixture-of-experts models compile as they run: every expert's weights are parameters (and optimizer state),
@@ -121,6 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--micro_tokens", type=int, default=None,
                    help="new path: max_tokens_per_micro_batch per device (default: --tokens_per_device)")
     p.add_argument("--chunk_tokens", type=int, default=4096, help="new path: logprob_chunk_tokens")
+    p.add_argument("--moe_dispatch", default="gspmd", choices=("gspmd", "local"),
+                   help="new path: MemoryConfig.moe_dispatch (MoE models; learner_jax/moe.py)")
     p.add_argument("--segment_tokens", type=int, default=2048,
                    help="new path: tokens per packed sequence (segment ids; shapes do not depend on it)")
     p.add_argument("--row_tokens", type=int, default=None,
@@ -160,7 +163,7 @@ def path_memory(path: str, args):
     row = args.row_tokens or micro
     return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=args.row_tokens is None,
                          max_tokens_per_micro_batch=micro, logprob_chunk_tokens=args.chunk_tokens,
-                         remat=args.remat), (micro // row, row))
+                         remat=args.remat, moe_dispatch=args.moe_dispatch), (micro // row, row))
 
 
 def measure(path: str, config, mesh, args) -> dict:
@@ -186,7 +189,8 @@ def extrapolated(args) -> list[dict]:
 
 def report(args, path, layers, result, extra):
     row = {"model": args.model, "layers": layers, "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp,
-           "expert": args.expert, "path": path, **result, **extra}
+           "expert": args.expert, "path": path, "micro_tokens": args.micro_tokens or args.tokens_per_device,
+           "moe_dispatch": args.moe_dispatch, **result, **extra}
     if args.json:
         print(json.dumps(row), flush=True)
     else:

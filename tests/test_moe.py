@@ -263,8 +263,8 @@ EXPERT_PARALLEL = textwrap.dedent("""
     from portable_rl.learner_jax.logprobs import sequence_logprobs
     from portable_rl.learner_jax.sharding import MeshConfig, make_mesh, shard_batch, shard_model_and_optimizer
 
-    def load(path):
-        return load_hf_model(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)[0]
+    def load(path, dispatch="gspmd"):
+        return load_hf_model(path, param_dtype=jnp.float32, compute_dtype=jnp.float32, moe_dispatch=dispatch)[0]
 
     def loss(model, input_ids, mask, w):
         logp = sequence_logprobs(model, input_ids, mask)[0]
@@ -278,46 +278,57 @@ EXPERT_PARALLEL = textwrap.dedent("""
     (_, logp), grads = step(load(sys.argv[1]), *batch.values())
     grads = nnx.to_pure_dict(grads)
     out = {}
-    for name, mesh_config in {"fsdp2_expert4": MeshConfig(fsdp=2, expert=4),
-                              "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2)}.items():
-        model, mesh = load(sys.argv[1]), make_mesh(mesh_config)
+    meshes = {"fsdp8": MeshConfig(fsdp=8), "fsdp2_expert4": MeshConfig(fsdp=2, expert=4),
+              "data2_expert2_tensor2": MeshConfig(data=2, expert=2, tensor=2)}
+    runs = [("gspmd", "fsdp2_expert4"), ("gspmd", "data2_expert2_tensor2"),
+            ("local", "fsdp8"), ("local", "fsdp2_expert4"), ("local", "data2_expert2_tensor2")]
+    for dispatch, name in runs:
+        model, mesh = load(sys.argv[1], dispatch), make_mesh(meshes[name])
         shard_model_and_optimizer(model, None, mesh)
         gate = model.layers[0].mlp.experts.gate_proj[...]
         with jax.set_mesh(mesh):
             (_, logp_s), grads_s = step(model, *shard_batch(batch, mesh).values())
         grads_s = nnx.to_pure_dict(grads_s)
-        out[name] = {
+        out[f"{dispatch}_{name}"] = {
             "expert_shard": list(gate.addressable_shards[0].data.shape), "spec": str(gate.sharding.spec),
             "logp": float(np.abs(np.asarray(logp_s) - np.asarray(logp)).max()),
             "grads": max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(np.asarray(b)).max() + 1e-30))
                          for a, b in zip(jax.tree.leaves(grads_s), jax.tree.leaves(grads)))}
-    model, mesh = load(sys.argv[2]), make_mesh(MeshConfig(fsdp=2, expert=4))  # 6 experts over 4 devices
-    shard_model_and_optimizer(model, None, mesh)
-    try:
-        with jax.set_mesh(mesh):
-            step(model, *shard_batch(batch, mesh).values())
-    except ConfigError as e:
-        out["error"] = str(e)
+    for dispatch in ("gspmd", "local"):
+        model, mesh = load(sys.argv[2], dispatch), make_mesh(MeshConfig(fsdp=2, expert=4))  # 6 experts over 4
+        shard_model_and_optimizer(model, None, mesh)
+        try:
+            with jax.set_mesh(mesh):
+                step(model, *shard_batch(batch, mesh).values())
+        except ConfigError as e:
+            out[f"error_{dispatch}"] = str(e)
     print("RESULT " + json.dumps(out))
 """)
 
 
-@pytest.mark.slow  # ~1 min of CPU: three compilations of a forward + backward, two on 8 host devices
+@pytest.mark.slow  # ~2 min of CPU: six compilations of a forward + backward, five on 8 host devices
 def test_expert_parallel_equals_unsharded_on_8_devices(ckpts, tmp_path):
-    """An `expert` mesh axis (with fsdp, data, tensor) splits the experts and exchanges tokens inside a
-    shard_map; logprobs and gradients equal the single-device ones to fp32 tolerance."""
+    """Both dispatches (`Experts`: GSPMD's, and each device's own rows in a shard_map with the expert weights
+    all-gathered over fsdp inside) on meshes with fsdp, expert, data and tensor axes split the experts as
+    sharding.py says and give the single-device logprobs and gradients to fp32 tolerance."""
     path = make_tiny_checkpoint(tmp_path / "e8", "qwen3_moe", dtype="float32",
-                                **{**DIMS, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 13,
+                                **{**DIMS, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 14,
                                    "norm_topk_prob": True})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, str(path), str(ckpts("qwen3_moe_norm"))],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    assert result["fsdp2_expert4"]["expert_shard"] == [2, 32 // 2, 13]       # 8 experts / 4, embed / fsdp 2
-    assert result["data2_expert2_tensor2"]["expert_shard"] == [4, 32, 13]    # 13 does not split over tensor
-    for name in ("fsdp2_expert4", "data2_expert2_tensor2"):
-        assert result[name]["logp"] <= 1e-5, (name, result[name])
-        assert result[name]["grads"] <= 1e-5, (name, result[name])
-    assert result["error"].startswith("the mesh's expert axis (4 devices) does not divide num_experts=6")
+    shards = {"fsdp8": [8, 32 // 8, 14], "fsdp2_expert4": [8 // 4, 32 // 2, 14],
+              "data2_expert2_tensor2": [8 // 2, 32, 14 // 2]}                    # [E, D, F] per device
+    for name, numbers in result.items():
+        if name.startswith("error"):
+            continue
+        assert numbers["expert_shard"] == shards[name.split("_", 1)[1]], (name, numbers)
+        assert numbers["logp"] <= 1e-5, (name, numbers)
+        assert numbers["grads"] <= 1e-5, (name, numbers)
+    assert len(result) == 7
+    for dispatch in ("gspmd", "local"):
+        assert result[f"error_{dispatch}"].startswith("the mesh's expert axis (4 devices) does not divide "
+                                                      "num_experts=6"), result

@@ -102,9 +102,10 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=None,
-                  attention_impl: str = "dense", remat="none") -> tuple[Transformer, ModelConfig]:
+                  attention_impl: str = "dense", remat="none",
+                  moe_dispatch: str = "gspmd") -> tuple[Transformer, ModelConfig]:
     """Reads an HF checkpoint directory into a `Transformer` (params in `param_dtype`, default float32;
-    compute in `compute_dtype`, default bfloat16; `attention_impl` and `remat` as in `Transformer`,
+    compute in `compute_dtype`, default bfloat16; `attention_impl`, `remat` and `moe_dispatch` as in `Transformer`,
     e.g. `**MemoryConfig(...).model_kwargs()`)."""
     from safetensors import safe_open
 
@@ -118,7 +119,7 @@ def load_hf_model(path: str | os.PathLike, *, param_dtype=None, compute_dtype=No
     # Build the module skeleton without initialising random weights, then fill every param.
     model = nnx.eval_shape(lambda: Transformer(config, param_dtype=param_dtype, compute_dtype=compute_dtype,
                                                rngs=nnx.Rngs(0), attention_impl=attention_impl,
-                                               remat=remat))
+                                               remat=remat, moe_dispatch=moe_dispatch))
     mappings = {m.hf_name: m for m in param_mappings(config)}
     files = _tensor_files(path)
     missing = sorted(set(mappings) - set(files))

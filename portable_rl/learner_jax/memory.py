@@ -13,6 +13,10 @@ Activation memory of one update, per device, for a micro-batch of M tokens, L la
                 its tokens (continuation segments, learner_jax/attention.py): n·(p + r) tokens become
                 p − 1 + n·(r + 1). Less time and memory wherever prompts are a good part of the tokens.
                 Attention runs blockwise for these rows (cuDNN / splash have no such mask).
+    experts     moe_dispatch='local' (MoE models on a mesh): each device sorts its own M·K (token, expert)
+                pairs and all-gathers one layer's expert weights at a time over fsdp inside a shard_map;
+                'gspmd' leaves both to GSPMD, whose partition of the sort gathers every device's pairs
+                (its temporaries grow with the device count; learner_jax/moe.py)
 
 so memory grows linearly in tokens once attention is not dense. Every setting computes the same
 update (tests/test_memory_equivalence.py); they trade memory for time.
@@ -29,6 +33,7 @@ ATTENTION_IMPLS = ("auto", "blockwise", "dense", "cudnn", "splash")
 # 'none' | 'full' | a jax.checkpoint_policies name that saves matmul outputs ("dots saveable")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "checkpoint_dots", "checkpoint_dots_with_no_batch_dims")
+MOE_DISPATCHES = ("gspmd", "local")   # learner_jax/moe.py, `Experts`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,10 @@ class MemoryConfig:
         "dots_with_no_batch_dims_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims").
       share_prompts: the answers of one prompt share one copy of its tokens in the packed rows (needs
         pack_sequences; attention then runs blockwise for those rows).
+      moe_dispatch: mixture-of-experts layers on a mesh: "gspmd" (GSPMD partitions the sort by expert over
+        every device's tokens and gathers the expert weights) or "local" (each device sorts its own tokens in a
+        shard_map and all-gathers the expert weights over fsdp inside it; with an expert axis the tokens of an
+        expert group are exchanged there too). Same numbers either way.
     """
     attention_impl: str = "auto"
     pack_sequences: bool = True
@@ -57,6 +66,7 @@ class MemoryConfig:
     logprob_chunk_tokens: Optional[int] = None
     remat: str = "none"
     share_prompts: bool = False
+    moe_dispatch: str = "gspmd"
 
     def __post_init__(self):
         if self.share_prompts and not self.pack_sequences:
@@ -66,6 +76,8 @@ class MemoryConfig:
             raise ConfigError(f"attention_impl={self.attention_impl!r}; use one of {ATTENTION_IMPLS}")
         if self.remat not in REMAT_POLICIES:
             raise ConfigError(f"remat={self.remat!r}; use one of {REMAT_POLICIES}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ConfigError(f"moe_dispatch={self.moe_dispatch!r}; use one of {MOE_DISPATCHES}")
         for name in ("max_tokens_per_micro_batch", "logprob_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -74,4 +86,4 @@ class MemoryConfig:
     def model_kwargs(self) -> dict:
         """The knobs the model is built with: `Transformer(config, ..., **m.model_kwargs())` (and the
         same keywords on `convert.load_hf_model`); 'auto' attention is resolved by the model."""
-        return {"attention_impl": self.attention_impl, "remat": self.remat}
+        return {"attention_impl": self.attention_impl, "remat": self.remat, "moe_dispatch": self.moe_dispatch}

@@ -17,7 +17,7 @@ softmax and its backward, and the logits are float32: bf16 RoPE and a bf16 softm
 bf16-compute gradients (docs/models.md, "bf16 gradients").
 Kernels are [in, out] (HF stores [out, in]; `convert/mapping.py` transposes).
 
-Memory knobs (`Transformer(..., attention_impl=, remat=)`, chosen in learner_jax/memory.py), for a row
+Memory knobs (`Transformer(..., attention_impl=, remat=, moe_dispatch=)`, chosen in learner_jax/memory.py), for a row
 of T tokens, L layers, width D, ffn F:
     attention_impl  'dense' keeps [B, heads, T, T] f32 probabilities per layer; the others
                     (attention.py) O(T) per layer
@@ -27,6 +27,7 @@ of T tokens, L layers, width D, ffn F:
                     backward (`remat_function`): memory ~ L · T · D · 4 B + one layer's activations,
                     for about one more forward pass of compute
     remat=<policy>  a `jax.checkpoint_policies` name: keep what it saves (matmul outputs), re-run the rest
+    moe_dispatch    where a sparse layer's sort by expert runs on a mesh (moe.py, `Experts`)
 Packed rows (segment ids + per-segment positions, `hidden_states`) give each sequence exactly the
 hidden states it has alone in a row.
 """
@@ -44,7 +45,7 @@ from portable_rl.learner_jax import attention as attention_lib
 from portable_rl.learner_jax.attention import attention
 from portable_rl.learner_jax.config import ModelConfig
 from portable_rl.learner_jax.dense import dense
-from portable_rl.learner_jax.memory import REMAT_POLICIES
+from portable_rl.learner_jax.memory import MOE_DISPATCHES, REMAT_POLICIES
 from portable_rl.learner_jax.moe import Experts, Routing, route
 from portable_rl.learner_jax.sharding import constrain_batch_rows
 
@@ -160,12 +161,13 @@ class MoEBlock(nnx.Module):
     """Routed experts (+ Qwen2-MoE's sigmoid-gated shared expert), formulas in moe.py:
     `block(x [B, T, D], forced_experts [B·T, K] | None) -> (y [B, T, D] compute dtype, Routing)`."""
 
-    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
+                 moe_dispatch: str = "gspmd"):
         d, shared = config.hidden_size, config.shared_expert_intermediate_size
         linear = dict(use_bias=False, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
         self.router = Linear(d, config.num_experts, **linear)
         self.experts = Experts(config.num_experts, d, config.moe_intermediate_size, param_dtype=param_dtype,
-                               compute_dtype=compute_dtype, rngs=rngs)
+                               compute_dtype=compute_dtype, rngs=rngs, dispatch=moe_dispatch)
         if shared:
             self.shared_expert = MLP(config, intermediate_size=shared, param_dtype=param_dtype,
                                      compute_dtype=compute_dtype, rngs=rngs)
@@ -191,12 +193,13 @@ class DecoderLayer(nnx.Module):
     for a sparse (MoE) layer."""
 
     def __init__(self, config: ModelConfig, *, sparse: bool = False, param_dtype, compute_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, moe_dispatch: str = "gspmd"):
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
         self.attn = Attention(config, **dtypes, rngs=rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dtypes)
-        self.mlp = (MoEBlock if sparse else MLP)(config, **dtypes, rngs=rngs)
+        self.mlp = (MoEBlock(config, **dtypes, rngs=rngs, moe_dispatch=moe_dispatch) if sparse
+                    else MLP(config, **dtypes, rngs=rngs))
         self.sparse = sparse
 
     def __call__(self, x, cos, sin, segment_ids, forced_experts=None):  # x [B, T, D] float32 residual stream
@@ -227,6 +230,13 @@ def resolve_remat(remat) -> str:
     if remat not in REMAT_POLICIES:
         raise ConfigError(f"remat={remat!r}; use one of {REMAT_POLICIES}")
     return remat
+
+
+def resolve_moe_dispatch(dispatch) -> str:
+    """A name from `memory.MOE_DISPATCHES` ('gspmd' or 'local', moe.py's `Experts`)."""
+    if dispatch not in MOE_DISPATCHES:
+        raise ConfigError(f"moe_dispatch={dispatch!r}; use one of {MOE_DISPATCHES}")
+    return dispatch
 
 
 def _tie_to(tree, cotangent):
@@ -303,10 +313,14 @@ class Transformer(nnx.Module):
                       the backward (about one more forward of compute); a `jax.checkpoint_policies`
                       name ('dots_saveable', 'dots_with_no_batch_dims_saveable', ...) keeps what that
                       policy saves (matmul outputs) and recomputes the rest.
+      moe_dispatch    MoE layers on a mesh: 'gspmd' (GSPMD partitions the sort by expert and gathers the
+                      weights) or 'local' (each device sorts its own rows in a shard_map and all-gathers
+                      the expert weights inside it; moe.py's `Experts`).
     """
 
     def __init__(self, config: ModelConfig, *, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
-                 rngs: nnx.Rngs | None = None, attention_impl: str = "dense", remat="none"):
+                 rngs: nnx.Rngs | None = None, attention_impl: str = "dense", remat="none",
+                 moe_dispatch: str = "gspmd"):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.remat = resolve_remat(remat)
@@ -316,7 +330,8 @@ class Transformer(nnx.Module):
         self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=param_dtype,
                                param_dtype=param_dtype, rngs=rngs,
                                embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(config, sparse=config.is_sparse_layer(i), **dtypes, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, sparse=config.is_sparse_layer(i), **dtypes, rngs=rngs,
+                                             moe_dispatch=resolve_moe_dispatch(moe_dispatch))
                                 for i in range(config.num_hidden_layers)])
         for layer in self.layers:
             layer.attn.attention_impl = self.attention_impl

@@ -15,10 +15,12 @@ Dispatch (capacity-free, static shapes): the N·K (token, slot) pairs are sorted
 matmul is one grouped matmul over the sorted rows, `jax.lax.ragged_dot(x_sorted [N·K, D],
 W [E, D, F], group_sizes [E])`: row r is multiplied by the weights of the expert whose group holds it.
 The outputs are put back in (token, slot) order with the inverse permutation and mixed with w
-(`grouped_swiglu`). With an `expert` mesh axis the experts are split over devices and tokens exchanged
-inside a shard_map (`Experts` says how). No token is dropped and no slot padded, so the block computes
-the all-experts function Σ_e w_e · SwiGLU_e(x) (w_e = 0 off the top-k) up to float32 summation order
-(tests/test_moe.py keeps that dense reference and checks the gradients against it).
+(`grouped_swiglu`). On a mesh, `Experts.dispatch` says where the sort runs and how weights and tokens move
+(GSPMD's partition of it, or each device's own rows in a shard_map with the weights all-gathered inside); with
+an `expert` mesh axis the experts are split over devices and tokens exchanged inside a shard_map. No token is
+dropped and no slot padded, so the block computes the all-experts function Σ_e w_e · SwiGLU_e(x) (w_e = 0 off
+the top-k) up to float32 summation order (tests/test_moe.py keeps that dense reference and checks the gradients
+against it, and both dispatches against one device on 8 host devices).
 
 Routing replay: `forced_experts` [N, K] replaces the block's own top-k; the gate weights are still
 p gathered at those experts (renormalised if norm_topk_prob), so the router gets gradients. A row
@@ -46,7 +48,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from portable_rl.errors import ConfigError
-from portable_rl.learner_jax.sharding import expert_parallel_size, row_spec
+from portable_rl.learner_jax.sharding import expert_parallel_size, logical_to_spec, row_spec
 
 
 class Routing(NamedTuple):
@@ -59,30 +61,43 @@ class Experts(nnx.Module):
     """E SwiGLU experts, weights stacked [E, in, out] (kernels are [in, out], as in `Linear`):
     `experts(x [N, D], experts [N, K], weights [N, K]) -> Σ_k w_k · SwiGLU_{e_k}(x)  [N, D] float32`.
 
-    Expert parallelism: when the mesh set with `jax.set_mesh` has an `expert` axis of size P > 1
-    (sharding.py), each of its devices holds E / P experts and the tokens of its batch rows; inside a
-    `shard_map` the P devices of an expert group all-gather their tokens (and routing), each runs its
-    own experts on the pairs routed to them (the others contribute 0), and a reduce-scatter sums the
-    partial outputs back onto the devices the tokens came from (Megatron's all-gather token
+    Dispatch on a mesh set with `jax.set_mesh` (`dispatch`, chosen in learner_jax/memory.py):
+
+      "gspmd"  the weights are gathered by GSPMD. Without an `expert` axis the sort by expert is
+               partitioned by GSPMD, which gathers the pairs of every device's rows (the global token
+               set); with one, a shard_map over `expert` runs the token exchange below.
+      "local"  one shard_map over the whole mesh: each device sorts its own rows, all-gathers its
+               experts' weights over `fsdp` inside (the gradient's transpose: a reduce-scatter, so no
+               layer's full weight gradient outlives its backward), and with an `expert` axis
+               exchanges tokens as below; a `tensor`-split expert width is summed with a psum.
+
+    Token exchange over an `expert` axis of size P (must divide E): each device holds E / P experts and
+    the tokens of its batch rows; the P devices of an expert group all-gather their tokens (and routing),
+    each runs its own experts on the pairs routed to them (the others contribute 0), and a reduce-scatter
+    sums the partial outputs back onto the devices the tokens came from (Megatron's all-gather token
     dispatcher). No device ever holds more than its group's tokens or its own experts."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, param_dtype, compute_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, dispatch: str = "gspmd"):
         init = nnx.initializers.normal(0.02)
         self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, width), param_dtype))  # [E, D, F]
         self.up_proj = nnx.Param(init(rngs.params(), (num_experts, hidden, width), param_dtype))    # [E, D, F]
         self.down_proj = nnx.Param(init(rngs.params(), (num_experts, width, hidden), param_dtype))  # [E, F, D]
         self.compute_dtype = compute_dtype
+        self.dispatch = dispatch
 
     def __call__(self, x, experts, weights):
         params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         num_experts = params[0].shape[0]
+        mesh = jax.sharding.get_abstract_mesh()
         ways = expert_parallel_size()
-        if ways == 1:
-            return grouped_swiglu(x, experts, weights, *params, first_expert=0, compute_dtype=self.compute_dtype)
         if num_experts % ways:
             raise ConfigError(f"the mesh's expert axis ({ways} devices) does not divide num_experts={num_experts}; "
                               f"set MeshConfig(expert=...) to a divisor of {num_experts}")
+        if self.dispatch == "local" and not mesh.empty and mesh.size > 1:
+            return self.local_dispatch(x, experts, weights, *params, mesh=mesh, ways=ways)
+        if ways == 1:
+            return grouped_swiglu(x, experts, weights, *params, first_expert=0, compute_dtype=self.compute_dtype)
         rows = row_spec()
 
         def local(x, experts, weights, gate, up, down):  # this device's rows and E / P experts
@@ -94,6 +109,39 @@ class Experts(nnx.Module):
         experts_spec = PartitionSpec("expert")
         return jax.shard_map(local, in_specs=(rows, rows, rows, experts_spec, experts_spec, experts_spec),
                              out_specs=rows)(x, experts, weights, *params)
+
+    def local_dispatch(self, x, experts, weights, gate, up, down, *, mesh, ways):
+        """The "local" dispatch (class doc): the weights enter the shard_map as they are stored
+        (sharding.py's specs), so nothing is gathered outside it."""
+        rows = row_spec()
+        in_spec = logical_to_spec(("experts", "embed", "mlp"), gate.shape, mesh)     # gate, up [E, D, F]
+        out_spec = logical_to_spec(("experts", "mlp", "embed"), down.shape, mesh)    # down [E, F, D]
+        _, embed, width = in_spec                                                   # mesh axes of D, F
+
+        def gather(w, axis_name, axis):
+            return w if axis_name is None else jax.lax.all_gather(w, axis_name, axis=axis, tiled=True)
+
+        def local(x, experts, weights, gate, up, down):  # [rows, ·] here; [E / P, D / fsdp, F / tensor] here
+            # The gathers wait for this layer's rows: a weight is available from the start, and XLA:CPU's
+            # scheduler otherwise gathers every layer's experts at once (0 * x: XLA cannot prove it zero).
+            zero = 0 * x[0, 0]
+            gate, up, down = (w + zero.astype(w.dtype) for w in (gate, up, down))
+            gate, up, down = gather(gate, embed, 1), gather(up, embed, 1), gather(down, embed, 2)  # [E / P, D, ·]
+            first = 0
+            if ways > 1:
+                x, experts, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True)
+                                       for a in (x, experts, weights))                  # the group's rows
+                first = jax.lax.axis_index("expert") * gate.shape[0]
+            y = grouped_swiglu(x, experts, weights, gate, up, down, first_expert=first,
+                               compute_dtype=self.compute_dtype)                        # [rows (· P), D] f32
+            if width is not None:
+                y = jax.lax.psum(y, width)                                              # partial sums over F
+            if ways > 1:
+                y = jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)  # [rows, D]
+            return y
+
+        return jax.shard_map(local, in_specs=(rows, rows, rows, in_spec, in_spec, out_spec),
+                             out_specs=rows)(x, experts, weights, gate, up, down)
 
 
 def grouped_swiglu(x, experts, weights, gate, up, down, *, first_expert, compute_dtype):
@@ -112,11 +160,32 @@ def grouped_swiglu(x, experts, weights, gate, up, down, *, first_expert, compute
         return jax.lax.ragged_dot(rows.astype(compute_dtype), w.astype(compute_dtype), group_sizes,
                                   preferred_element_type=jnp.float32).astype(compute_dtype)
 
-    rows = x[order // K]                                                  # [M·K, D] token of each pair
+    inverse = jnp.argsort(order)                                          # [M·K] position of each pair
+    rows = permute_rows(jnp.repeat(x, K, axis=0), order, inverse)         # [M·K, D] token of each pair
     h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)              # [M·K, F]
-    y_pairs = grouped(h, down)[jnp.argsort(order)].reshape(M, K, -1)      # back to (token, slot) order
+    y_pairs = permute_rows(grouped(h, down), inverse, order).reshape(M, K, -1)  # back to (token, slot) order
     y_pairs = jnp.where(mine.reshape(M, K, 1), y_pairs.astype(jnp.float32), 0.0)
     return jnp.einsum("mk,mkd->md", weights, y_pairs)                     # [M, D] f32
+
+
+@jax.custom_vjp
+def permute_rows(x, perm, inverse):
+    """x[perm] for a permutation `perm` of x's rows, `inverse` = argsort(perm). Its transpose is the gather
+    g[inverse]: JAX's own transpose of a gather is a scatter-add into a zero buffer of x's size, and XLA
+    allocated that [M·K, D] f32 buffer for every layer at the start of the step (the per-layer part of the
+    planned temporaries; docs/experiments/moe.md)."""
+    return x[perm]
+
+
+def _permute_rows_fwd(x, perm, inverse):
+    return x[perm], inverse
+
+
+def _permute_rows_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def route(logits, top_k: int, norm_topk_prob: bool, forced_experts=None):

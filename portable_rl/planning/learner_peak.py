@@ -219,7 +219,7 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
     from portable_rl.rl.learner import make_loss_fn
 
     model, optimizer = abstract_model_and_optimizer(
-        config, mesh, model_kwargs=dict(attention_impl=memory.attention_impl, remat=memory.remat),
+        config, mesh, model_kwargs=memory.model_kwargs(),
         param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype)
     fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
     batch = abstract_batch(mesh, rows, row_tokens, fields)
@@ -233,7 +233,8 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
     out.update(micro_batches=micro_batches, rows_per_device=rows, row_tokens=row_tokens,
                knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
                       "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
-                      "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat})
+                      "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat,
+                      "moe_dispatch": memory.moe_dispatch})
     return out
 
 
