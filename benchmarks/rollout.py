@@ -229,8 +229,9 @@ def checkpoint(args, workdir: str) -> tuple[str, str, int]:
         dims = dict(size="small", vocab_size=args.vocab, hidden_size=args.hidden,
                     intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                     num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64 // 4,
-                    head_dim=64, tie_word_embeddings=True)
-        name = f"qwen2_l{args.layers}_d{args.hidden}_f{args.intermediate}_v{args.vocab}"
+                    head_dim=64, tie_word_embeddings=True,
+                    max_positions=4096)  # --decode's prompts + 256 tokens pass the default 512
+        name = f"qwen2_l{args.layers}_d{args.hidden}_f{args.intermediate}_v{args.vocab}_p4096"
     if not args.model:
         ckpt = os.path.join(workdir, name)
         if not os.path.exists(os.path.join(ckpt, "config.json")):
