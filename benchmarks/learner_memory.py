@@ -3,7 +3,8 @@ The compile and its accounting live in portable_rl/planning/learner_peak.py (the
 `python -m portable_rl.plan`); this script picks a model and the knobs from the command line.
 
 The model and optimizer are built with `nnx.eval_shape` (bf16 params; `with_master_weights(make_optimizer())`
-keeps f32 master params and f32 AdamW moments), every leaf is a `jax.ShapeDtypeStruct` carrying its fsdp
+keeps f32 master params and f32 AdamW moments; `--moment1_dtype bfloat16` keeps the first moment in bf16,
+`--param_dtype float32` f32 params with no master copy, as `rl.PrecisionConfig` sets them), every leaf is a `jax.ShapeDtypeStruct` carrying its fsdp
 `NamedSharding` (`learner_jax/sharding.py`), the batch is `ShapeDtypeStruct`s split by rows over the mesh,
 and each jitted function of one update is `lower(...).compile()`d for a mesh of host CPU devices
 (`--xla_force_host_platform_device_count=--fsdp x --expert`, set below before JAX starts). Per compiled function f,
@@ -124,6 +125,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk_tokens", type=int, default=4096, help="new path: logprob_chunk_tokens")
     p.add_argument("--moe_dispatch", default="gspmd", choices=("gspmd", "local"),
                    help="new path: MemoryConfig.moe_dispatch (MoE models; learner_jax/moe.py)")
+    p.add_argument("--moment1_dtype", default=None, choices=("bfloat16", "float32"),
+                   help="make_optimizer's AdamW first-moment dtype (default: the master dtype)")
+    p.add_argument("--param_dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="rl.PrecisionConfig.param_dtype (master f32: float32 means no master copy)")
     p.add_argument("--segment_tokens", type=int, default=2048,
                    help="new path: tokens per packed sequence (segment ids; shapes do not depend on it)")
     p.add_argument("--row_tokens", type=int, default=None,
@@ -170,7 +175,8 @@ def measure(path: str, config, mesh, args) -> dict:
     """`predict_update_memory` for one path of the command line."""
     memory, (rows, seq) = path_memory(path, args)
     return predict_update_memory(config, mesh, memory, rows=rows, row_tokens=seq,
-                                 micro_batches=args.tokens_per_device // (rows * seq))
+                                 micro_batches=args.tokens_per_device // (rows * seq),
+                                 param_dtype=args.param_dtype, moment1_dtype=args.moment1_dtype)
 
 
 def extrapolated(args) -> list[dict]:
@@ -182,7 +188,8 @@ def extrapolated(args) -> list[dict]:
     for path in ("old", "new") if args.path == "both" else (args.path,):
         memory, (r, seq) = path_memory(path, args)
         request = PeakRequest(hf_config=hf, mesh=(1, args.fsdp, args.expert, 1), memory=dataclasses.asdict(memory),
-                              rows=r, row_tokens=seq, micro_batches=args.tokens_per_device // (r * seq))
+                              rows=r, row_tokens=seq, micro_batches=args.tokens_per_device // (r * seq),
+                              param_dtype=args.param_dtype, moment1_dtype=args.moment1_dtype)
         rows.append((path, hf["num_hidden_layers"], predict_peak_in_subprocess(request)))
     return rows
 
@@ -190,7 +197,8 @@ def extrapolated(args) -> list[dict]:
 def report(args, path, layers, result, extra):
     row = {"model": args.model, "layers": layers, "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp,
            "expert": args.expert, "path": path, "micro_tokens": args.micro_tokens or args.tokens_per_device,
-           "moe_dispatch": args.moe_dispatch, **result, **extra}
+           "moe_dispatch": args.moe_dispatch, "param_dtype": args.param_dtype, "moment1_dtype": args.moment1_dtype,
+           **result, **extra}
     if args.json:
         print(json.dumps(row), flush=True)
     else:

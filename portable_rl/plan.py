@@ -95,8 +95,9 @@ class Plan:
 
 def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision, memory, mesh_cfg, dapo,
          engine: EngineSettings, memory_plan, environ: Mapping[str, str],
-         full_compile: bool = False) -> Plan:
-    """The plan of a run (module doc) from its config objects; compiles the learner update (cached)."""
+         full_compile: bool = False, moment1_dtype: Optional[str] = None) -> Plan:
+    """The plan of a run (module doc) from its config objects; compiles the learner update (cached).
+    moment1_dtype: `learner_jax.make_optimizer`'s (AdamW's first moment; None: the master dtype)."""
     from portable_rl.learner_jax.sharding import mesh_shape
     from portable_rl.rl.colocation import Footprint, MemoryPlan, MemoryPlanError
 
@@ -126,7 +127,7 @@ def plan(*, hf: dict, model_source: str, gpus: int, device_gb: float, precision,
     compiled_memory["share_prompts"] = False
     request = PeakRequest(hf_config=hf, mesh=tuple(mesh), memory=compiled_memory, rows=rows, row_tokens=row_tokens,
                           micro_batches=micro, param_dtype=precision.param_dtype, master_dtype=precision.master_dtype,
-                          compute_dtype=precision.compute_dtype)
+                          compute_dtype=precision.compute_dtype, moment1_dtype=moment1_dtype)
     learner = predict_peak_in_subprocess(request, layers=None if full_compile else (1, 2))
     peak = learner["peak_bytes_per_device"]
     state = learner["params_bytes"] + learner["optimizer_bytes"]
@@ -354,8 +355,8 @@ def run_plan(argv, environ: Mapping[str, str] = os.environ) -> Plan:
     result = plan(hf=hf, model_source=source, gpus=args.gpus, device_gb=device_gb, precision=objects["precision"](),
                   memory=objects["memory"](), mesh_cfg=mesh_cfg, dapo=objects["dapo"](),
                   engine=gin_utils.engine_settings(), memory_plan=gin_utils.run_memory_plan(learner_devices=args.gpus),
-                  environ=environ,
-                  full_compile=args.full_compile)
+                  environ=environ, full_compile=args.full_compile,
+                  moment1_dtype=gin_utils.bound("learner_jax.make_optimizer.moment1_dtype"))
     traps = gin_utils.gin_traps(args.gin_file, args.gin_bindings, args.gin_search_paths)
     result.data["warnings"] += traps
     result.lines += [f"warning  {w}" for w in traps]

@@ -146,6 +146,14 @@ def test_verdict_exit_status_and_changes_on_a_tiny_model(tmp_path, monkeypatch, 
     text = capsys.readouterr().out
     assert e.value.code == 2 and "verdict  DOES NOT FIT: engine needs 3.0 GB" in text, text
     assert "change: " in text
+    # A bf16 AdamW first moment (make_optimizer's moment1_dtype) is planned: 2 bytes per parameter less state.
+    gin.clear_config()
+    with pytest.raises(SystemExit):
+        plan_cli.main([*argv, "--gin.learner_jax.make_optimizer.moment1_dtype='bfloat16'", "--device_memory_gb", "20",
+                       "--json"])
+    bf16_mu = json.loads(capsys.readouterr().out)
+    saved = (out["learner"]["state_gb"] - bf16_mu["learner"]["state_gb"]) * 1e9
+    assert saved == pytest.approx(2 * out["params"], rel=1e-3), (saved, out["params"])
 
 
 @pytest.mark.parametrize("args, message", [

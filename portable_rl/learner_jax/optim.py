@@ -8,6 +8,8 @@ The first step already has a non-zero learning rate. Weight decay applies to mat
 (ndim >= 2), not to norm gains or biases. The whole chain is wrapped in `optax.inject_hyperparams`,
 so the learning rate used by the last update is readable with `current_learning_rate`.
 `with_master_weights` wraps any optimizer for bf16 params with f32 master params in its state.
+`moment1_dtype="bfloat16"` stores AdamW's first moment mu in bf16 (optax's `mu_dtype`), 2 of the state's
+bytes per parameter instead of 4; the second moment stays in the master dtype.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def _decay_mask(params):
 
 def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: int | None = None,
                    schedule: str = "constant", weight_decay: float = 0.0, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0
-                   ) -> optax.GradientTransformation:
+                   b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                   moment1_dtype: str | None = None) -> optax.GradientTransformation:
     """clip_by_global_norm(max_grad_norm) -> AdamW(lr schedule) (the schedule: module doc).
 
     Args:
@@ -62,11 +64,16 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: 
       b2: Adam's second-moment decay.
       eps: Adam's epsilon, added to the root of the second moment.
       max_grad_norm: clip the gradient to this global L2 norm before AdamW; None or 0: no clipping.
+      moment1_dtype: dtype of AdamW's first moment ("bfloat16" or "float32"); None: that of the params it
+        steps (the f32 master under `with_master_weights`). Only the first moment: the second's EMA increment
+        (1 - b2) * g^2 is below a bf16 ulp of itself at b2 = 0.999, so a bf16 second moment would stall.
     """
+    if moment1_dtype not in (None, "bfloat16", "float32"):
+        raise ConfigError(f"moment1_dtype={moment1_dtype!r}: use None, 'bfloat16' or 'float32'")
 
     def chain(learning_rate):
         clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-        return optax.chain(*clip, optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+        return optax.chain(*clip, optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=moment1_dtype,
                                               weight_decay=weight_decay, mask=_decay_mask))
 
     return optax.inject_hyperparams(chain)(

@@ -75,6 +75,7 @@ class PeakRequest:
     param_dtype: str = "bfloat16"
     master_dtype: Optional[str] = "float32"
     compute_dtype: str = "bfloat16"
+    moment1_dtype: Optional[str] = None   # make_optimizer's: AdamW's first moment (None: the master dtype)
 
     def with_layers(self, layers: int) -> "PeakRequest":
         return dataclasses.replace(self, hf_config={**self.hf_config, "num_hidden_layers": layers})
@@ -110,7 +111,7 @@ def tree_device_bytes(tree) -> int:
 
 
 def abstract_model_and_optimizer(config, mesh, *, model_kwargs, param_dtype="bfloat16", master_dtype="float32",
-                                 compute_dtype="bfloat16"):
+                                 compute_dtype="bfloat16", moment1_dtype=None):
     """(model, optimizer) whose arrays are sharded ShapeDtypeStructs, built as `train.build_run` builds them."""
     import jax
     import jax.numpy as jnp
@@ -123,7 +124,7 @@ def abstract_model_and_optimizer(config, mesh, *, model_kwargs, param_dtype="bfl
     def create():
         model = Transformer(config, param_dtype=jnp.dtype(param_dtype), compute_dtype=jnp.dtype(compute_dtype),
                             rngs=nnx.Rngs(0), **model_kwargs)
-        tx = make_optimizer(**OPTIM)
+        tx = make_optimizer(**OPTIM, moment1_dtype=moment1_dtype)
         if master_dtype and jnp.dtype(master_dtype) != jnp.dtype(param_dtype):
             tx = with_master_weights(tx, jnp.dtype(master_dtype))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -207,7 +208,8 @@ def rl_cfg():
 
 
 def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, micro_batches: int,
-                          param_dtype="bfloat16", master_dtype="float32", compute_dtype="bfloat16") -> dict:
+                          param_dtype="bfloat16", master_dtype="float32", compute_dtype="bfloat16",
+                          moment1_dtype=None) -> dict:
     """Per-device peak of one update (module doc) of `config` (a ModelConfig) under `memory` (a MemoryConfig),
     micro-batches of [rows, row_tokens] per device: `compile_update` of the learner's step functions on abstract
     sharded shapes, for `mesh`'s backend. Call it under `jax.set_mesh(mesh)`."""
@@ -220,7 +222,8 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
 
     model, optimizer = abstract_model_and_optimizer(
         config, mesh, model_kwargs=memory.model_kwargs(),
-        param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype)
+        param_dtype=param_dtype, master_dtype=master_dtype, compute_dtype=compute_dtype,
+        moment1_dtype=moment1_dtype)
     fields = {**{k: jnp.int32 for k in INT_FIELDS}, **{k: jnp.float32 for k in FLOAT_FIELDS}}
     batch = abstract_batch(mesh, rows, row_tokens, fields)
     loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
@@ -258,7 +261,7 @@ def compile_request(request: PeakRequest) -> dict:
         return predict_update_memory(ModelConfig.from_hf_dict(request.hf_config), mesh, memory, rows=request.rows,
                                      row_tokens=request.row_tokens, micro_batches=request.micro_batches,
                                      param_dtype=request.param_dtype, master_dtype=request.master_dtype,
-                                     compute_dtype=request.compute_dtype)
+                                     compute_dtype=request.compute_dtype, moment1_dtype=request.moment1_dtype)
 
 
 def extrapolate(at: dict[int, dict], layers: int) -> dict:
