@@ -13,6 +13,7 @@ same executable. A cache the caller set (JAX_COMPILATION_CACHE_DIR) is used as i
 own is removed at the end.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -59,10 +60,16 @@ def pytest_terminal_summary(terminalreporter):
     """The slowest test files of this run, so a slow addition is seen the day it lands."""
     if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # workers report to the controller
         return
-    slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES_SHOWN]
-    terminalreporter.write_sep("=", f"{len(slowest)} slowest test files (seconds, setup + call + teardown)")
-    for path, seconds in slowest:
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"{min(len(ranked), SLOWEST_FILES_SHOWN)} slowest test files (seconds, setup + "
+                                    "call + teardown)")
+    for path, seconds in ranked[:SLOWEST_FILES_SHOWN]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    out = os.environ.get("PORTABLE_RL_TEST_FILE_SECONDS")
+    if out:  # every file's seconds, for docs/data/test_suite_time/
+        with open(out, "w") as f:
+            json.dump({path: round(seconds, 1) for path, seconds in ranked}, f, indent=1)
+        terminalreporter.write_line(f"every file's seconds: {out}")
 
 
 def pytest_collection_modifyitems(config, items):
