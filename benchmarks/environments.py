@@ -4,9 +4,12 @@ fp8_per_channel, 4 questions × 8 samples, at most 4 turns of 96 tokens, 1024 to
 
     python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct      # once
     python -m benchmarks.environments [--model checkpoints/smollm2-135m-instruct] [--repeats 3] \
-        [--out docs/data/environments_cost]
+        [--block_sizes 32 128] [--out docs/data/environments_cost]
 
-One engine; after a warm-up pass, each repetition r runs, alternating:
+One engine per KV block size (`--block_sizes`; the adapter's CPU default 32 alone when not given: the prefix
+cache reuses whole blocks, so the block is what a later turn's prefill depends on); after a warm-up pass each,
+each repetition r runs, alternating, on every engine in turn, each arm from an empty prefix cache (as after a
+training step's weight push):
 
     multi    the rollout phase of a training step (`generate_and_score`, the driver of rl/turns.py) on the
              questions of step r → its wall time W, the engine's time G (the sum of its generate calls), the
@@ -19,6 +22,8 @@ and reports per repetition, then the median:
     env share        E / W              environment time in the rollout phase (target < 5 % of the step)
     turn overhead    (W − G − E) / W    the driver's own time: observations tokenized, turns decoded, bookkeeping
     tokens/s ratio   (N / W) / (N / S) = S / W     multi-turn against single-turn generation (target >= 0.8)
+
+and, with several block sizes, each engine's median multi-turn wall time against the first's.
 
 Shares are of the rollout phase alone; a training step adds the learner's time (most of the recipe's step), so
 the share of the step is smaller. The policy is the base model, not the recipe's warm start (which takes ~10
@@ -61,6 +66,7 @@ def multi_turn_pass(engine, codec, examples, sampling, environment) -> dict:
     from portable_rl.rl.scoring import generate_and_score
 
     timed = TimedEngine(engine)
+    engine._require_llm().reset_prefix_cache()
     start = time.perf_counter()
     scored = generate_and_score(timed, codec, examples, None, sampling, environment)
     wall = time.perf_counter() - start
@@ -78,11 +84,12 @@ def multi_turn_pass(engine, codec, examples, sampling, environment) -> dict:
 
 def single_turn_pass(engine, prompts, lengths, temperature: float, seed: int) -> float:
     """One vLLM call generating exactly lengths[t] tokens after prompts[t] (EOS ignored), as the adapter samples
-    (logprobs of the sampled token, no detokenization) → its wall time."""
+    (logprobs of the sampled token, no detokenization), from an empty prefix cache → its wall time."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = engine._require_llm()
+    llm.reset_prefix_cache()  # the multi-turn pass just computed these prompts
     params = [SamplingParams(n=1, temperature=temperature, max_tokens=max(int(n), 1), ignore_eos=True, seed=seed + t,
                              logprobs=0, detokenize=False) for t, n in enumerate(lengths)]
     start = time.perf_counter()
@@ -108,6 +115,16 @@ def gold_sql_steps(examples, environment) -> dict:
     return {"trajectories": len(examples), "steps": steps, "seconds": seconds, "s_per_step": seconds / steps}
 
 
+def repetition(engine, codec, examples, sampling, environment, temperature: float, seed: int) -> dict:
+    multi = multi_turn_pass(engine, codec, examples, sampling, environment)
+    single_s = single_turn_pass(engine, multi.pop("prompts"), multi["model_tokens"], temperature, seed)
+    wall = multi["wall_s"]
+    return {**multi, "single_turn_s": single_s, "env_share": multi["env_s"] / wall,
+            "turn_overhead_share": (wall - multi["engine_s"] - multi["env_s"]) / wall,
+            "tokens_per_s_multi": multi["tokens"] / wall, "tokens_per_s_single": multi["tokens"] / single_s,
+            "tokens_per_s_ratio": single_s / wall}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
@@ -119,6 +136,8 @@ def main(argv=None):
     parser.add_argument("--max_model_len", type=int, default=1024)
     parser.add_argument("--quantization", default="fp8_per_channel")
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--block_sizes", type=int, nargs="+", default=None,
+                        help="one engine per KV block size (default: the adapter's)")
     parser.add_argument("--out", default="docs/data/environments_cost")
     args = parser.parse_args(argv)
 
@@ -137,38 +156,55 @@ def main(argv=None):
                                            n=args.n, seed=seed, stop_token_ids=(codec.eos_id,))
     result = {"benchmark": "environments", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "cpu": platform.processor() or platform.machine(), "load_average_start": os.getloadavg(),
-              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "repetitions": []}
-    name = f"environments_cost_{datetime.date.today().isoformat()}.json"
-    engine = create_engine("vllm", model_path=args.model, max_model_len=args.max_model_len,
-                           engine_init_kwargs={"quantization": args.quantization, "enable_chunked_prefill": False})
+              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "engines": {}}
+    blocks = "".join(f"_block{b}" for b in args.block_sizes or [])
+    name = f"environments_cost_{datetime.date.today().isoformat()}{blocks}.json"
+    engines = {}
     try:
-        multi_turn_pass(engine, codec, task.train_batch(0, 0, args.prompts), sampling(0), environment)  # warm-up
+        for block in args.block_sizes or [None]:
+            kwargs = {"quantization": args.quantization, "enable_chunked_prefill": False}
+            if block is not None:
+                kwargs["block_size"] = block
+            engine = create_engine("vllm", model_path=args.model, max_model_len=args.max_model_len,
+                                   engine_init_kwargs=kwargs)
+            key = f"block_{engine.engine_init_kwargs.get('block_size', 'vllm_default')}"
+            engines[key] = engine
+            result["engines"][key] = {"repetitions": []}
+        for engine in engines.values():  # warm-up
+            multi_turn_pass(engine, codec, task.train_batch(0, 0, args.prompts), sampling(0), environment)
         for r in range(1, args.repeats + 1):
-            multi = multi_turn_pass(engine, codec, task.train_batch(r, 0, args.prompts), sampling(r), environment)
-            single_s = single_turn_pass(engine, multi.pop("prompts"), multi["model_tokens"], args.temperature, r)
-            wall = multi["wall_s"]
-            rep = {**multi, "single_turn_s": single_s, "env_share": multi["env_s"] / wall,
-                   "turn_overhead_share": (wall - multi["engine_s"] - multi["env_s"]) / wall,
-                   "tokens_per_s_multi": multi["tokens"] / wall, "tokens_per_s_single": multi["tokens"] / single_s,
-                   "tokens_per_s_ratio": single_s / wall}
-            result["repetitions"].append(rep)
-            print(f"[{r}] W {wall:.1f} s (engine {multi['engine_s']:.1f}, env {multi['env_s']:.3f}), "
-                  f"{multi['tokens']} tokens in {multi['turns_mean']:.2f} turns; single turn {single_s:.1f} s; "
-                  f"env {rep['env_share']:.2%}, overhead {rep['turn_overhead_share']:.2%}, "
-                  f"ratio {rep['tokens_per_s_ratio']:.2f}", flush=True)
-            write_json(args.out, name, result)
+            for key, engine in engines.items():
+                rep = repetition(engine, codec, task.train_batch(r, 0, args.prompts), sampling(r), environment,
+                                 args.temperature, r)
+                result["engines"][key]["repetitions"].append(rep)
+                print(f"[{r} {key}] W {rep['wall_s']:.1f} s (engine {rep['engine_s']:.1f}, env {rep['env_s']:.3f}), "
+                      f"{rep['tokens']} tokens in {rep['turns_mean']:.2f} turns; single turn {rep['single_turn_s']:.1f} s; "
+                      f"env {rep['env_share']:.2%}, overhead {rep['turn_overhead_share']:.2%}, "
+                      f"ratio {rep['tokens_per_s_ratio']:.2f}", flush=True)
+                write_json(args.out, name, result)
     finally:
-        engine.close()
-    reps = result["repetitions"]
-    result["median"] = {k: statistics.median(rep[k] for rep in reps)
-                        for k in ("env_share", "turn_overhead_share", "tokens_per_s_ratio", "tokens_per_s_multi",
-                                  "tokens_per_s_single", "wall_s")}
+        for engine in engines.values():
+            engine.close()
+    first = None
+    for key, entry in result["engines"].items():
+        reps = entry["repetitions"]
+        entry["median"] = {k: statistics.median(rep[k] for rep in reps)
+                           for k in ("env_share", "turn_overhead_share", "tokens_per_s_ratio", "tokens_per_s_multi",
+                                     "tokens_per_s_single", "wall_s")}
+        entry["range"] = {k: [min(rep[k] for rep in reps), max(rep[k] for rep in reps)]
+                          for k in ("tokens_per_s_ratio", "wall_s")}
+        first = first or entry
+        entry["wall_s_vs_first"] = [rep["wall_s"] / base["wall_s"]
+                                    for rep, base in zip(reps, first["repetitions"])]
+        median = entry["median"]
+        print(f"{key} median: env share {median['env_share']:.2%}, turn overhead {median['turn_overhead_share']:.2%}, "
+              f"multi/single tokens/s {median['tokens_per_s_ratio']:.2f} "
+              f"({entry['range']['tokens_per_s_ratio'][0]:.2f}-{entry['range']['tokens_per_s_ratio'][1]:.2f}); "
+              f"multi-turn wall / first engine's, per repetition: "
+              f"{', '.join(f'{x:.2f}' for x in entry['wall_s_vs_first'])}")
     result["gold_sql"] = gold_sql_steps(task.eval_examples(), environment)
     result["load_average_end"] = os.getloadavg()
-    median = result["median"]
-    print(f"median: env share {median['env_share']:.2%}, turn overhead {median['turn_overhead_share']:.2%}, "
-          f"multi/single tokens/s {median['tokens_per_s_ratio']:.2f}; "
-          f"gold SQL {result['gold_sql']['s_per_step'] * 1e3:.2f} ms a step")
+    print(f"gold SQL {result['gold_sql']['s_per_step'] * 1e3:.2f} ms a step")
     print(write_json(args.out, name, result))
 
 

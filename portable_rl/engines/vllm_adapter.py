@@ -77,6 +77,14 @@ avx512_bf16: docs/experiments/cpu_rollouts.md). Each
 distinct choice is printed once per process; an explicit `dtype` (argument or `engine_init_kwargs`; in
 gin `--gin.ENGINE_KWARGS="{'quantization': %QUANTIZATION, 'dtype': 'bfloat16'}"`) wins. The CPU KV cache
 is sized in bf16 tokens: a float32 engine gets twice the bytes, so both hold the same number of tokens.
+
+Prefix caching. vLLM's prefix cache is on (its default; off only for the CPU router capture, which must see
+every position computed) and reset by every push. It reuses whole KV blocks: a request re-prefills everything
+after the last full block it shares with earlier ones. A multi-turn rollout's later turn (rl/turns.py) is the
+trajectory so far plus an observation, so it re-prefills the observation and the tail of the trajectory that
+fills no block. vLLM-CPU's default block is 128 tokens (a tail of 64 on average, as long as an SQL observation);
+the adapter starts CPU engines with 32, the smallest its attention kernel takes (`engine_init_kwargs=
+{"block_size": ...}` overrides it).
 """
 
 from __future__ import annotations
@@ -107,6 +115,7 @@ INT8 = "int8_per_channel"  # served from a compressed-tensors W8A8 checkpoint th
 DEFAULT_QUANTIZED_CHECKPOINT_ROOT = os.path.join("~", ".cache", "portable_rl", "quantized_checkpoints")
 MAX_SUPPORT = 128  # default max_logprobs: the largest top_k whose support `generate` can return
 CPU_KV_CACHE_BYTES = 256 << 20  # for a bf16 cache (11,520 tokens of SmolLM2-135M); scaled for float32
+CPU_BLOCK_SIZE = 32  # tokens a KV block holds on CPU (module doc, "Prefix caching")
 _CPU_DTYPE_LOGGED: set[tuple[str, str]] = set()
 _OMP_WARNED = False
 
@@ -216,6 +225,7 @@ def llm_kwargs(model: str, *, on_cpu: bool, engine_init_kwargs: dict[str, Any] |
         # steps, which CPU generators cannot do ("CPU Generator does not use offset"): whole prefills
         # only (tests/test_engines_vllm_chunked_prefill.py). engine_init_kwargs may turn it back on.
         kwargs["enable_chunked_prefill"] = False
+        kwargs["block_size"] = CPU_BLOCK_SIZE  # vLLM-CPU's default is 128 (module doc, "Prefix caching")
     if enable_sleep_mode:
         kwargs["enable_sleep_mode"] = True
     if return_routed_experts and on_cpu:  # vllm_moe.RoutingCapture: every prompt position computed

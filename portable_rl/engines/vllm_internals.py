@@ -33,7 +33,7 @@ SUPPORTED_VLLM = ((0, 32), (0, 33))
 # The keywords `vllm_adapter.llm_kwargs` may hand `vllm.LLM` (besides engine_init_kwargs): EngineArgs fields.
 LLM_KWARGS = ("model", "seed", "dtype", "logprobs_mode", "worker_extension_cls", "max_logprobs", "enforce_eager",
               "max_model_len", "gpu_memory_utilization", "enable_chunked_prefill", "enable_sleep_mode",
-              "kv_cache_memory_bytes", "enable_prefix_caching", "enable_return_routed_experts")
+              "kv_cache_memory_bytes", "enable_prefix_caching", "enable_return_routed_experts", "block_size")
 # What `set_vllm_environment` sets or reads, by name (vllm/envs.py).
 ENV_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE")
 
