@@ -11,6 +11,12 @@ start (they inherit the environment) share it, so a program several tests compil
 step and old-logprob pass, the SmolLM2 forward) is compiled once. Numerics are unchanged: a cache hit is the
 same executable. A cache the caller set (JAX_COMPILATION_CACHE_DIR) is used as is and kept; the session's
 own is removed at the end.
+
+In-process compiles skip LLVM's optimizations (`jax_disable_most_optimizations`): the tests' programs are tiny
+models compiled once and run a few times, so compiling dominates; the files it touches took 12 % less time
+(docs/experiments/test_suite_time.md). Same arithmetic, less optimized machine code: every numeric assertion
+holds as before. The CLI subprocesses the tests start keep the default (they run real training steps), and so
+does a file marked `xla_optimized` (real-model forwards in process, where running dominates).
 """
 
 import json
@@ -37,6 +43,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     # Programs under 0.2 s to compile cost more to write and read back than to compile again.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # before the item's fixtures, so a module fixture's compiles follow its file's marker; imported here, after
+    # the cache's environment variables above are set (JAX reads them when imported)
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("xla_optimized") is None)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -87,11 +102,32 @@ def pytest_xdist_make_scheduler(config, log):
     return file_scheduler({name: "ray" for name in RAY_FILES})(config, log)
 
 
+def built_once(tmp_path_factory, name, build):
+    """`build(path)` run once per test session, whichever worker asks first; every worker gets the same `path`.
+
+    xdist workers' base temp directories share a parent, so the directory and its lock live there; the
+    others wait on the lock and read what the first one built. A build that raised leaves no marker, so the
+    next caller builds again (and fails with its own error)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / name
+    with FileLock(str(path) + ".lock"):
+        done = path.parent / f"{name}.built"
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """The real SmolLM2-135M-Instruct as an HF bf16 checkpoint: the repository's converted copy when a complete
-    one is there (`python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct`), else a fresh
-    conversion of the GGUF that scripts/setup.sh installs (~30 s)."""
+    one is there (`python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct`), else one conversion
+    of the GGUF that scripts/setup.sh installs (~30 s), shared by the workers."""
     from pathlib import Path
 
     from portable_rl.convert import gguf
@@ -99,4 +135,22 @@ def smollm2(tmp_path_factory):
     repo_checkpoint = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct"
     if gguf.is_complete(repo_checkpoint):
         return repo_checkpoint
-    return gguf.convert_gguf(tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct")
+    return built_once(tmp_path_factory, "smollm2-135m-instruct", gguf.convert_gguf)
+
+
+@pytest.fixture(scope="session")
+def arith_warmstart(tmp_path_factory):
+    """The default run's warm start (gin/warmstart.gin) cut to 40 steps: the tiny Qwen2 answering 2-digit sums
+    often enough for RL to have signal, built once for the files that train from it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def build(path):
+        proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
+                               f"--gin.MODEL_PATH='{path}'", "--gin.WARMSTART_STEPS=40",
+                               "--gin.warmstart.progress=False"], cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "arith_warmstart_40", build)

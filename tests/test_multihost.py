@@ -9,8 +9,8 @@ Checked: A stops both processes with one clear line and leaves no half-written s
 processes, and the SIGTERM makes both stop after the same step, checkpointed once; metrics (steps 0-1 from
 A, step 2 from B), params and optimizer state of both checkpoints equal the single-process run to 1e-6.
 
-`pytest -k multihost` selects these (and tests/test_multihost_wire.py). Kept small: a 40-step warm start,
-16 held-out prompts, 2 steps.
+`pytest -k multihost` selects these (and tests/test_multihost_wire.py). Kept small: the 40-step warm start
+conftest shares (`arith_warmstart`), 16 held-out prompts, 2 steps.
 """
 
 import json
@@ -139,14 +139,11 @@ def _assert_checkpoints_equal(step_dir, ref_step_dir, lr=3e-4, steps=2):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The warm start, the single-process reference and the two launches (module doc); their logs and pids."""
+def runs(tmp_path_factory, arith_warmstart):
+    """The single-process reference and the two launches (module doc) from the shared warm start; their logs
+    and pids."""
     root = tmp_path_factory.mktemp("multihost")
-    model_path, cache, ref, run = root / "warmstart", root / "jax_cache", root / "reference", root / "run"
-    proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
-                           f"--gin.MODEL_PATH='{model_path}'", "--gin.WARMSTART_STEPS=40",
-                           "--gin.warmstart.progress=False"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_path, cache, ref, run = arith_warmstart, root / "jax_cache", root / "reference", root / "run"
     flags = _flags(run, model_path, 2, "--gin.rl.RunConfig.checkpoint_every=1")
     env = dict(_env(cache), XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", "portable_rl.train", *_flags(ref, model_path, 2,

@@ -31,7 +31,7 @@ from portable_rl.engines.cpu_features import prefer_passive_omp_waits
 
 prefer_passive_omp_waits()  # before torch loads: OpenMP reads the policy once
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla_optimized]  # real 135M forwards: running, not compiling, dominates
 
 QUESTIONS = ["What is 7 times 8?", "Tom has 3 apples and buys 5 more. How many apples does he have now?",
              "Name a primary color.", "Write one sentence about the sea."]

