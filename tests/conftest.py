@@ -142,15 +142,9 @@ def smollm2(tmp_path_factory):
 def arith_warmstart(tmp_path_factory):
     """The default run's warm start (gin/warmstart.gin) cut to 40 steps: the tiny Qwen2 answering 2-digit sums
     often enough for RL to have signal, built once for the files that train from it."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from processes import run_warmstart
 
     def build(path):
-        proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
-                               f"--gin.MODEL_PATH='{path}'", "--gin.WARMSTART_STEPS=40",
-                               "--gin.warmstart.progress=False"], cwd=Path(__file__).resolve().parent.parent,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_warmstart(path, "--gin.WARMSTART_STEPS=40", timeout=600)
 
     return built_once(tmp_path_factory, "arith_warmstart_40", build)

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +24,13 @@ def run_from_root(cmd, timeout, **env) -> str:
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
+
+
+def run_warmstart(model_path, *overrides, timeout=900) -> Path:
+    """The default run's warm start (`python -m portable_rl.warmstart --gin_file=gin/warmstart.gin`) into
+    `model_path`, with gin `overrides` (e.g. "--gin.WARMSTART_STEPS=40"); asserts it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
+                           f"--gin.MODEL_PATH='{model_path}'", "--gin.warmstart.progress=False", *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(model_path)

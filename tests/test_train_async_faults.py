@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import run_warmstart
+
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -54,12 +56,7 @@ def _wait_for_step(proc, run_dir, step, timeout=600):
 
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "warmstart"
-    proc = subprocess.run([sys.executable, "-m", "portable_rl.warmstart", "--gin_file=gin/warmstart.gin",
-                           f"--gin.MODEL_PATH='{path}'", "--gin.warmstart.progress=False"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return path
+    return run_warmstart(tmp_path_factory.mktemp("faults") / "warmstart")  # the full 1400 steps: it must learn
 
 
 def test_async_rollouts_learn_the_default_task(warm_start, tmp_path):
