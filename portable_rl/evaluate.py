@@ -18,14 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from portable_rl.export import load_run, orbax_dir
 from portable_rl.rl.config import EnvironmentConfig
-
-
-def _orbax_dir(checkpoint: Path) -> Optional[Path]:
-    for candidate in (checkpoint / "checkpoints", checkpoint):
-        if candidate.is_dir() and any(p.name.isdigit() for p in candidate.iterdir()):
-            return candidate
-    return None
 
 
 def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Optional[str] = None,
@@ -73,31 +67,15 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist; set CHECKPOINT to an HF dir or a run dir")
     t0 = time.perf_counter()
-    orbax_dir = None if (checkpoint / "config.json").exists() else _orbax_dir(checkpoint)
+    run = None if (checkpoint / "config.json").exists() else orbax_dir(checkpoint)
     restored_step = None
-    if orbax_dir is None:
+    if run is None:
         if not (checkpoint / "config.json").exists():
             raise FileNotFoundError(f"{checkpoint} is neither an HF checkpoint (config.json) nor a run directory "
                                     "with orbax checkpoints")
         base = checkpoint
     else:
-        import jax.numpy as jnp
-
-        from portable_rl.convert.hf import load_hf_model
-        from portable_rl.learner_jax.checkpoint import Checkpointer
-
-        ckpts = Checkpointer(orbax_dir)
-        restored_step = step if step is not None else ckpts.latest_step()
-        if restored_step is None:
-            raise FileNotFoundError(f"no committed checkpoint in {orbax_dir}")
-        extra = ckpts.read_extra(restored_step)
-        base = Path(model_path or extra.get("model_path", ""))
-        if not (base / "config.json").exists():
-            raise FileNotFoundError(f"base HF checkpoint {base} not found; set MODEL_PATH (the run's starting "
-                                    "checkpoint, for the model config, tokenizer and engine start)")
-        model, model_config = load_hf_model(base, param_dtype=jnp.float32)
-        ckpts.restore(model, None, step=restored_step)
-        ckpts.close()
+        model, model_config, base, restored_step = load_run(run, step=step, model_path=model_path)
 
     codec = TextCodec(base, chat_template=chat_template)
     examples = list(task.eval_examples())[:max_examples]
@@ -106,7 +84,7 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
                               seed=None if temperature == 0 else seed, stop_token_ids=(codec.eos_id,))
     engine = engine_factory(model_path=str(base))
     try:
-        if orbax_dir is not None:
+        if run is not None:
             from portable_rl.rl.sync import push_weights
             push_weights(engine, model, model_config)
         summary, records = evaluate_examples(engine, codec, examples, reward_fn, sampling, ks=ks,
@@ -118,7 +96,7 @@ def evaluate(*, checkpoint: str, engine_factory: Callable, task, model_path: Opt
               "engine": type(engine).__name__, "quantization": engine.quantization,
               "seconds": time.perf_counter() - t0, **summary, "samples": records}
     if report_path is None:
-        where = checkpoint if orbax_dir is not None else Path.cwd()
+        where = checkpoint if run is not None else Path.cwd()
         suffix = f"_step{restored_step}" if restored_step is not None else ""
         report_path = where / f"eval_{report['task']}{suffix}.json"
     Path(report_path).parent.mkdir(parents=True, exist_ok=True)
