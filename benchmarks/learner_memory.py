@@ -125,6 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk_tokens", type=int, default=4096, help="new path: logprob_chunk_tokens")
     p.add_argument("--moe_dispatch", default="gspmd", choices=("gspmd", "local"),
                    help="new path: MemoryConfig.moe_dispatch (MoE models; learner_jax/moe.py)")
+    p.add_argument("--update_by_layer", action="store_true",
+                   help="new path: MemoryConfig.update_by_layer (the optimizer update one layer at a time)")
     p.add_argument("--moment1_dtype", default=None, choices=("bfloat16", "float32"),
                    help="make_optimizer's AdamW first-moment dtype (default: the master dtype)")
     p.add_argument("--param_dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -168,7 +170,8 @@ def path_memory(path: str, args):
     row = args.row_tokens or micro
     return (MemoryConfig(attention_impl=args.attention_impl, pack_sequences=args.row_tokens is None,
                          max_tokens_per_micro_batch=micro, logprob_chunk_tokens=args.chunk_tokens,
-                         remat=args.remat, moe_dispatch=args.moe_dispatch), (micro // row, row))
+                         remat=args.remat, moe_dispatch=args.moe_dispatch, update_by_layer=args.update_by_layer),
+            (micro // row, row))
 
 
 def measure(path: str, config, mesh, args) -> dict:
@@ -197,8 +200,8 @@ def extrapolated(args) -> list[dict]:
 def report(args, path, layers, result, extra):
     row = {"model": args.model, "layers": layers, "tokens_per_device": args.tokens_per_device, "fsdp": args.fsdp,
            "expert": args.expert, "path": path, "micro_tokens": args.micro_tokens or args.tokens_per_device,
-           "moe_dispatch": args.moe_dispatch, "param_dtype": args.param_dtype, "moment1_dtype": args.moment1_dtype,
-           **result, **extra}
+           "moe_dispatch": args.moe_dispatch, "update_by_layer": args.update_by_layer, "param_dtype": args.param_dtype,
+           "moment1_dtype": args.moment1_dtype, **result, **extra}
     if args.json:
         print(json.dumps(row), flush=True)
     else:

@@ -63,6 +63,7 @@ def one_step(path, cfg, batch, knobs):
 
 
 def _one_step(path, cfg, batch, knobs):
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -81,14 +82,15 @@ def _one_step(path, cfg, batch, knobs):
                       tis.RolloutCorrectionConfig(mode="token", clip=2.0), memory=memory)
     old = learner.old_logprobs(batch)
     prepared = learner.prepare(batch)
-    return prepared, learner.update(prepared), old
+    metrics = learner.update(prepared)
+    return prepared, metrics, old, [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
 @pytest.mark.slow  # two learners of the default tiny model compiled (~1 min on 2 busy cores)
 def test_memory_knobs_give_the_same_step(setup):
     path, cfg, batch = setup
-    ref_prepared, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, lean, lean_old = one_step(path, cfg, batch, LEAN)
+    ref_prepared, ref, ref_old, _ = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, lean, lean_old, _ = one_step(path, cfg, batch, LEAN)
     assert ref_prepared.metrics["batch/micro_batches"] == 2 < lean_prepared.metrics["batch/micro_batches"]
     assert lean_prepared.metrics["batch/padding_fraction"] < ref_prepared.metrics["batch/padding_fraction"]
     assert ref["train/grad_norm"] > 0 and ref["train/loss"] != 0
@@ -108,11 +110,25 @@ def test_shared_prompts_give_the_same_step(setup):
     sequence per row, on fewer tokens: with 64-token micro-batches (groups split into units that fit)
     and in one call per mini-batch (dense attention)."""
     path, cfg, batch = setup
-    _, ref, ref_old = one_step(path, cfg, batch, REFERENCE)
-    lean_prepared, _, _ = one_step(path, cfg, batch, LEAN)
+    _, ref, ref_old, _ = one_step(path, cfg, batch, REFERENCE)
+    lean_prepared, _, _, _ = one_step(path, cfg, batch, LEAN)
     for knobs in (dict(LEAN, share_prompts=True), dict(REFERENCE, pack_sequences=True, share_prompts=True)):
-        prepared, got, old = one_step(path, cfg, batch, knobs)
+        prepared, got, old, _ = one_step(path, cfg, batch, knobs)
         assert prepared.metrics["batch/learner_tokens"] < 0.8 * lean_prepared.metrics["batch/learner_tokens"], knobs
         for k, want in ref.items():
             assert got[k] == pytest.approx(want, rel=1e-4, abs=1e-6), (k, knobs)
         np.testing.assert_allclose(old, ref_old, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # one more learner of the default tiny model compiled (the reference is reused)
+def test_update_by_layer_gives_the_same_step(setup):
+    """MemoryConfig.update_by_layer: the learner accumulates the one micro-batch's gradient and updates one layer
+    per call, where the reference runs gradient and update in one call; the same metrics and params."""
+    path, cfg, batch = setup
+    _, ref, _, ref_params = one_step(path, cfg, batch, REFERENCE)
+    _, got, _, got_params = one_step(path, cfg, batch, {**REFERENCE, "update_by_layer": True})
+    assert ref["train/grad_norm"] > 0
+    for k, want in ref.items():
+        assert got[k] == pytest.approx(want, rel=1e-5, abs=1e-7), k
+    for want, x in zip(ref_params, got_params, strict=True):
+        np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)

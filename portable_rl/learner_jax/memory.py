@@ -17,6 +17,9 @@ Activation memory of one update, per device, for a micro-batch of M tokens, L la
                 pairs and all-gathers one layer's expert weights at a time over fsdp inside a shard_map;
                 'gspmd' leaves both to GSPMD, whose partition of the sort gathers every device's pairs
                 (its temporaries grow with the device count; learner_jax/moe.py)
+    optimizer   update_by_layer=True: the optimizer update runs as one call per decoder layer (learner_jax/step.py
+                `LayerwiseApplyStep`): one layer's f32 temporaries instead of ~1.25 parameter-sized f32 buffers;
+                the gradient is then always accumulated in f32 (one params-sized buffer) before the update
 
 so memory grows linearly in tokens once attention is not dense. Every setting computes the same
 update (tests/test_memory_equivalence.py); they trade memory for time.
@@ -59,6 +62,10 @@ class MemoryConfig:
         every device's tokens and gathers the expert weights) or "local" (each device sorts its own tokens in a
         shard_map and all-gathers the expert weights over fsdp inside it; with an expert axis the tokens of an
         expert group are exchanged there too). Same numbers either way.
+      update_by_layer: run the optimizer update (clip, AdamW, master weights) as one call per decoder layer, so
+        its f32 temporaries are one layer's, not the whole model's; the same update to float rounding. The
+        gradient is then accumulated in an f32 buffer even for one micro-batch. Needs
+        `learner_jax.make_optimizer`'s optimizer.
     """
     attention_impl: str = "auto"
     pack_sequences: bool = True
@@ -67,6 +74,7 @@ class MemoryConfig:
     remat: str = "none"
     share_prompts: bool = False
     moe_dispatch: str = "gspmd"
+    update_by_layer: bool = False
 
     def __post_init__(self):
         if self.share_prompts and not self.pack_sequences:

@@ -71,25 +71,33 @@ def make_optimizer(*, learning_rate: float, warmup_steps: int = 0, total_steps: 
     if moment1_dtype not in (None, "bfloat16", "float32"):
         raise ConfigError(f"moment1_dtype={moment1_dtype!r}: use None, 'bfloat16' or 'float32'")
 
-    def chain(learning_rate):
-        clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    def chain(learning_rate, max_grad_norm=None):
+        clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm is not None else []
         return optax.chain(*clip, optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, mu_dtype=moment1_dtype,
                                               weight_decay=weight_decay, mask=_decay_mask))
 
-    return optax.inject_hyperparams(chain)(
-        learning_rate=make_schedule(learning_rate, warmup_steps, total_steps, schedule))
+    hyperparams = {"learning_rate": make_schedule(learning_rate, warmup_steps, total_steps, schedule)}
+    if max_grad_norm:  # in the state, so a per-layer update (step.update_by_layer) clips by the global norm
+        hyperparams["max_grad_norm"] = float(max_grad_norm)
+    return optax.inject_hyperparams(chain)(**hyperparams)
 
 
-def current_learning_rate(opt_state):
-    """The learning rate of the last update, read from the `inject_hyperparams` state that
-    `make_optimizer` puts at the top of the optimizer state; None for other optimizers."""
+def hyperparameter(opt_state, name: str):
+    """A hyperparameter of the last update (`learning_rate`, `max_grad_norm`), read from the
+    `inject_hyperparams` state that `make_optimizer` puts at the top of the optimizer state; None where the
+    optimizer has none of that name (another optimizer, or no clipping)."""
     if isinstance(opt_state, MasterWeightsState):
         opt_state = opt_state.inner
     hyperparams = getattr(opt_state, "hyperparams", None)
-    if not hyperparams or "learning_rate" not in hyperparams:
+    if not hyperparams or name not in hyperparams:
         return None
-    lr = hyperparams["learning_rate"]
-    return lr[...] if hasattr(lr, "get_value") else lr
+    value = hyperparams[name]
+    return value[...] if hasattr(value, "get_value") else value
+
+
+def current_learning_rate(opt_state):
+    """The learning rate of the last update; None for optimizers not made by `make_optimizer`."""
+    return hyperparameter(opt_state, "learning_rate")
 
 
 class MasterWeightsState(NamedTuple):

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from portable_rl.learner_jax.optim import MasterWeightsState, current_learning_rate
+from portable_rl.errors import ConfigError
+from portable_rl.learner_jax.optim import MasterWeightsState, current_learning_rate, hyperparameter
 
 
 def make_train_step(loss_fn: Callable) -> Callable:
@@ -84,9 +86,12 @@ def make_grad_step(loss_fn: Callable) -> Callable:
     return grad_step
 
 
-def make_apply_step() -> Callable:
+def make_apply_step(by_layer: bool = False) -> Callable:
     """jitted `fn(model, optimizer, grads) -> {grad_norm, learning_rate}`: one optimizer update with the
-    accumulated `grads` (donated, with the model's and optimizer's buffers as in `make_train_step`)."""
+    accumulated `grads` (donated, with the model's and optimizer's buffers as in `make_train_step`).
+    `by_layer`: the same update as one jitted call per layer (`LayerwiseApplyStep`)."""
+    if by_layer:
+        return LayerwiseApplyStep()
 
     @functools.partial(nnx.jit, donate_argnums=(0, 1, 2))
     def apply_step(model, optimizer: nnx.Optimizer, grads):
@@ -104,3 +109,129 @@ def make_apply_step() -> Callable:
         return metrics
 
     return apply_step
+
+
+def layer_groups(params) -> list[tuple]:
+    """The update groups of a params tree, in order: each decoder layer (`("layers", i)`), and each other
+    top-level module (`("embed",)`, `("final_norm",)`, `("lm_head",)`)."""
+    groups = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [k.key for k in path]
+        group = tuple(keys[:2]) if isinstance(keys[1], int) else tuple(keys[:1])
+        if group not in groups:
+            groups.append(group)
+    return groups
+
+
+class GroupCall(NamedTuple):
+    """One group's call of `LayerwiseApplyStep`: indices into the flat params (and grads) and optimizer state."""
+    group: tuple
+    spec: tuple            # static: (cut state treedef, which of its leaves the group owns, group params treedef)
+    params: list[int]      # the group's params (and grads) leaves
+    owned: list[int]       # its optimizer leaves (moments, master weights), written by its call
+    shared: list[int]      # the step count and hyperparameters, read by every call
+
+
+class LayerwiseApplyStep:
+    """`make_apply_step()`'s update, run as one jitted call per layer group (`layer_groups`).
+
+    Why: one jitted update computes its f32 temporaries (AdamW's direction, the clipped gradient) for every
+    parameter before it writes any: ~1.25 parameter-sized f32 buffers, the learner's peak for a large model
+    (docs/experiments/moe.md). XLA may order one program's independent ops so (and XLA:CPU drops optimization
+    barriers), so the order is fixed here, between calls:
+
+        norm      = ‖grads‖ (f32)                              one read-only call over all the grads
+        per group = clip(grads_g, norm) → optimizer.tx.update(grads_g, state_g, params_g) → params_g, state_g
+                    one call per group, its params and optimizer leaves donated: written in place
+
+    state_g is the optimizer state with every parameter-shaped subtree (moments, master weights) cut to the
+    group's part; the step count and hyperparameters are read by every call and taken from the first. The
+    global-norm clip is AdamW's one whole-tree step: it is applied here with the whole tree's norm and the max
+    norm that `make_optimizer` keeps among its hyperparameters, so the optimizer's own clip, which sees a
+    group's smaller norm, leaves the gradient as it is. Same update as `make_apply_step()` to float rounding
+    (tested). Decoder layers of one kind share one compilation.
+    """
+
+    def __init__(self):
+        self.norm = jax.jit(lambda grads: optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
+        self._updates = {}  # optimizer.tx -> its jitted group update
+
+    def group_update(self, tx):
+        """jitted `fn(spec, params, owned, shared, grads, norm) -> (params, owned, shared)` (flat leaf lists)."""
+        if tx not in self._updates:
+            def update(spec, params, owned_state, shared_state, grads, norm):
+                state_def, owned, params_def = spec
+                it_owned, it_shared = iter(owned_state), iter(shared_state)
+                state = jax.tree.unflatten(state_def, [next(it_owned) if o else next(it_shared) for o in owned])
+                params, grads = jax.tree.unflatten(params_def, params), jax.tree.unflatten(params_def, grads)
+                max_norm = hyperparameter(state, "max_grad_norm")
+                if max_norm is not None:  # optax.clip_by_global_norm's arithmetic, with the whole tree's norm
+                    grads = jax.tree.map(
+                        lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), grads)
+                updates, state = tx.update(grads, state, params)
+                leaves = jax.tree.leaves(state)
+                return (jax.tree.leaves(optax.apply_updates(params, updates)),
+                        [x for x, o in zip(leaves, owned) if o], [x for x, o in zip(leaves, owned) if not o])
+            self._updates[tx] = jax.jit(update, static_argnums=(0,), donate_argnums=(1, 2))
+        return self._updates[tx]
+
+    @staticmethod
+    def plan(params, opt_state) -> list[GroupCall]:
+        """Each group's call, from pure (`nnx.as_pure`) params and optimizer state."""
+        params_def = jax.tree.structure(params)
+        is_params_like = lambda t: jax.tree.structure(t) == params_def  # noqa: E731
+        params_index = jax.tree.unflatten(params_def, range(params_def.num_leaves))
+        state_def = jax.tree.structure(opt_state)
+        state_index = jax.tree.unflatten(state_def, range(state_def.num_leaves))
+        calls = []
+        for group in layer_groups(params):
+            part = lambda tree: functools.reduce(lambda t, k: t[k], group, tree)  # noqa: E731
+            cut = jax.tree.map(lambda t: part(t) if is_params_like(t) else t, state_index, is_leaf=is_params_like)
+            owned = set(jax.tree.leaves(jax.tree.map(lambda t: part(t) if is_params_like(t) else None, state_index,
+                                                     is_leaf=is_params_like)))
+            cut_leaves = jax.tree.leaves(cut)
+            spec = (jax.tree.structure(cut), tuple(i in owned for i in cut_leaves),
+                    jax.tree.structure(part(params_index)))
+            calls.append(GroupCall(group, spec, jax.tree.leaves(part(params_index)),
+                                   [i for i in cut_leaves if i in owned], [i for i in cut_leaves if i not in owned]))
+        return calls
+
+    def pure_arrays(self, model, optimizer: nnx.Optimizer, grads):
+        """(params, optimizer state, grads) as pure trees, the grads as `make_apply_step()` hands them on."""
+        opt_state = nnx.as_pure(optimizer.opt_state)
+        if current_learning_rate(opt_state) is None:
+            raise ConfigError("a per-layer optimizer update (learner_jax.MemoryConfig.update_by_layer) needs the "
+                              "optimizer of learner_jax.make_optimizer; set update_by_layer=False for another one")
+        params = nnx.as_pure(nnx.state(model, nnx.Param))
+        grads = nnx.as_pure(nnx.state(grads, nnx.Param))
+        if not isinstance(optimizer.opt_state, MasterWeightsState):  # what a one-call step hands the optimizer
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        return params, opt_state, grads
+
+    def __call__(self, model, optimizer: nnx.Optimizer, grads) -> dict:
+        params, opt_state, grads = self.pure_arrays(model, optimizer, grads)
+        norm = self.norm(grads)
+        fn = self.group_update(optimizer.tx)
+        p, params_def = jax.tree.flatten(params)
+        s, state_def = jax.tree.flatten(opt_state)
+        g = jax.tree.leaves(grads)
+        shared = {}
+        for k, call in enumerate(self.plan(params, opt_state)):
+            new_p, new_owned, new_shared = fn(call.spec, [p[i] for i in call.params], [s[i] for i in call.owned],
+                                              [s[i] for i in call.shared], [g[i] for i in call.params], norm)
+            for i, x in zip(call.params, new_p):
+                p[i] = x
+            for i, x in zip(call.owned, new_owned):
+                s[i] = x
+            if k == 0:  # every call read the step count before this update; the first one's new value is kept
+                shared = dict(zip(call.shared, new_shared))
+        for i, x in shared.items():
+            s[i] = x
+        nnx.update(model, jax.tree.unflatten(params_def, p))
+        nnx.update(optimizer.opt_state, nnx.state(jax.tree.unflatten(state_def, s)))
+        optimizer.step[...] += 1
+        metrics = {"grad_norm": norm}
+        lr = current_learning_rate(optimizer.opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        return metrics

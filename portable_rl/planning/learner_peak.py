@@ -175,6 +175,38 @@ def combine(functions: list[dict], persistent_bytes: int) -> dict:
             "compile_seconds": sum(f["compile_seconds"] for f in functions), "functions": functions}
 
 
+def apply_stats(apply_step, model, optimizer, grad_sum, persistent: int) -> list[dict]:
+    """compile_stats of the optimizer update: the one `apply_step` call, or each distinct call of a
+    `LayerwiseApplyStep` (the norm, then one per kind of group), whose arguments are parts of the persistent
+    state (its other parts stay resident alongside)."""
+    import jax
+    import jax.numpy as jnp
+
+    from portable_rl.learner_jax.step import LayerwiseApplyStep
+
+    if not isinstance(apply_step, LayerwiseApplyStep):
+        a = compile_stats("apply_step", apply_step, model, optimizer, grad_sum)
+        a["persistent_argument_bytes"] = persistent
+        return [a]
+    params, opt_state, grads = apply_step.pure_arrays(model, optimizer, grad_sum)
+    norm = compile_stats("apply_step/norm", apply_step.norm, grads)
+    norm["persistent_argument_bytes"] = tree_device_bytes(grads)
+    out, seen = [norm], set()
+    p, s, g = jax.tree.leaves(params), jax.tree.leaves(opt_state), jax.tree.leaves(grads)
+    fn = apply_step.group_update(optimizer.tx)
+    for call in apply_step.plan(params, opt_state):
+        if call.spec in seen:  # the same compilation as an earlier group's (and the same bytes)
+            continue
+        seen.add(call.spec)
+        args = ([p[i] for i in call.params], [s[i] for i in call.owned], [s[i] for i in call.shared],
+                [g[i] for i in call.params])
+        a = compile_stats(f"apply_step/{'.'.join(map(str, call.group))}", fn, call.spec, *args,
+                          jax.ShapeDtypeStruct((), jnp.float32))
+        a["persistent_argument_bytes"] = tree_device_bytes(args)
+        out.append(a)
+    return out
+
+
 def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
     """Compiles what `rl.learner.Learner.update` runs for one mini-batch and combines each function's
     memory_analysis (module doc): `steps["train_step"]` when `grad_sum` is None (one micro-batch), else
@@ -192,9 +224,7 @@ def compile_update(steps: dict, model, optimizer, batch, grad_sum=None) -> dict:
         grads = tree_device_bytes(grad_sum)
         g = compile_stats("grad_step", steps["grad_step"], model, batch, grad_sum)
         g["persistent_argument_bytes"] = params + grads
-        a = compile_stats("apply_step", steps["apply_step"], model, optimizer, grad_sum)
-        a["persistent_argument_bytes"] = params + opt + grads
-        functions = [g, a]
+        functions = [g, *apply_stats(steps["apply_step"], model, optimizer, grad_sum, params + opt + grads)]
     return {**combine(functions, params + opt + grads), "params_bytes": params, "optimizer_bytes": opt,
             "grad_accumulator_bytes": grads}
 
@@ -228,8 +258,9 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
     batch = abstract_batch(mesh, rows, row_tokens, fields)
     loss_fn = make_loss_fn(rl_cfg().loss, 1.0, memory.logprob_chunk_tokens)
     steps = dict(train_step=step_lib.make_train_step(loss_fn), grad_step=step_lib.make_grad_step(loss_fn),
-                 apply_step=step_lib.make_apply_step())
-    grad_sum = None if micro_batches == 1 else jax.tree.map(  # step.zero_grads, abstractly
+                 apply_step=step_lib.make_apply_step(memory.update_by_layer))
+    # with update_by_layer the learner always accumulates (the update is its own calls, rl/learner.py)
+    grad_sum = None if micro_batches == 1 and not memory.update_by_layer else jax.tree.map(  # step.zero_grads, abstractly
         lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), nnx.state(model, nnx.Param))
     with grouped_matmul_stand_in():  # MoE: the GPU's ragged dot, not XLA:CPU's dense one (planning/ragged_dot.py)
         out = compile_update(steps, model, optimizer, batch, grad_sum)
@@ -237,7 +268,7 @@ def predict_update_memory(config, mesh, memory, *, rows: int, row_tokens: int, m
                knobs={"attention_impl": memory.attention_impl, "pack_sequences": memory.pack_sequences,
                       "max_tokens_per_micro_batch": memory.max_tokens_per_micro_batch,
                       "logprob_chunk_tokens": memory.logprob_chunk_tokens, "remat": memory.remat,
-                      "moe_dispatch": memory.moe_dispatch})
+                      "moe_dispatch": memory.moe_dispatch, "update_by_layer": memory.update_by_layer})
     return out
 
 

@@ -293,10 +293,11 @@ MASTER = "master"  # `_jitted`'s `served`: the learner's own weights (rl.Precisi
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction, served=MASTER):
+def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correction, served=MASTER, by_layer=False):
     """The learner's jitted functions, shared by learners whose loss settings agree (the aggregation is
     host-side, in the token weights), so a second learner of the same model reuses the compilations.
-    `served`: MASTER, or the engine's `quantization` whose served weights the forwards use (`serve_weights_as`)."""
+    `served`: MASTER, or the engine's `quantization` whose served weights the forwards use (`serve_weights_as`).
+    `by_layer`: the optimizer update one layer at a time (`MemoryConfig.update_by_layer`)."""
     if served == MASTER:
         view = ste_view = None
     else:
@@ -312,7 +313,7 @@ def _jitted(settings: _LossSettings, temperature: float, chunk_tokens, correctio
                              graph_updates=False),
         own_routing_scores=nnx.jit(lambda m, b, e: own_routing_scores(on(m), b, e, temperature, chunk_tokens),
                                    graph_updates=False),
-        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step())
+        train_step=make_train_step(loss_fn), grad_step=make_grad_step(loss_fn), apply_step=make_apply_step(by_layer))
 
 
 @functools.lru_cache(maxsize=8)
@@ -476,7 +477,8 @@ class Learner:
         loss = self.cfg.loss
         fns = _jitted(_LossSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip_c, loss.policy_loss_mode,
                                     loss.router_aux_loss_coef),
-                      self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served)
+                      self.cfg.generation.temperature, self.memory.logprob_chunk_tokens, self.correction, self.served,
+                      self.memory.update_by_layer)
         self._logprobs, self._row_logprobs = fns["logprobs"], fns["row_logprobs"]
         self._own_routing_scores = fns["own_routing_scores"]
         self._train_step, self._grad_step, self._apply_step = fns["train_step"], fns["grad_step"], fns["apply_step"]
@@ -682,7 +684,7 @@ class Learner:
                 if not any(mb["response_mask"].any() for mb in micro):  # empty (short dynamic-sampling step)
                     continue
                 with self._on_mesh():
-                    if len(micro) == 1:
+                    if len(micro) == 1 and not self.memory.update_by_layer:  # the update in the same call
                         parts = [self._train_step(self.model, self.optimizer, self._device(micro[0]))]
                         applied = parts[0]
                     else:
