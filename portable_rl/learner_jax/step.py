@@ -10,6 +10,7 @@ is a sum of per-micro-batch terms, e.g. `losses.policy_loss(..., token_weights=)
     G = zero_grads(model)                        f32, laid out (sharded) like the params
     metrics_j = grad_step(model, batch_j, G)     G += ∇ loss_j in place (G's buffers donated)
     apply_step(model, optimizer, G)              one optimizer update with Σ_j ∇ loss_j; grad_norm of it
+                                                 (make_apply_step(by_layer=True): one call per layer)
 
 Functions that only read the model (`grad_step`, the learner's forwards) are jitted with
 `graph_updates=False`: `nnx.jit` then returns only the variables a call changed. By default it returns the
@@ -117,7 +118,7 @@ def layer_groups(params) -> list[tuple]:
     groups = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [k.key for k in path]
-        group = tuple(keys[:2]) if isinstance(keys[1], int) else tuple(keys[:1])
+        group = tuple(keys[:2]) if len(keys) > 1 and isinstance(keys[1], int) else tuple(keys[:1])
         if group not in groups:
             groups.append(group)
     return groups
