@@ -64,7 +64,7 @@ def export(*, run_dir: str, out: str, step: Optional[int] = None, dtype: Optiona
 
     `dtype`: the safetensors dtype (float32, bfloat16, float16); None: the base checkpoint's.
     """
-    from portable_rl.convert.hf import copy_tokenizer_files, save_hf_model
+    from portable_rl.convert.hf import copy_tokenizer_files, replace_dir, save_hf_model
 
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
@@ -76,9 +76,7 @@ def export(*, run_dir: str, out: str, step: Optional[int] = None, dtype: Optiona
         staged = staging / "hf"
         save_hf_model(model, config, staged, dtype=dtype)
         copy_tokenizer_files(base, staged)
-        if out_path.exists():
-            shutil.rmtree(out_path)
-        os.rename(staged, out_path)
+        replace_dir(staged, out_path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"[export] {run_dir} step {restored_step} -> {out} ({dtype or 'base dtype'}; base {base})", flush=True)

@@ -1,5 +1,7 @@
 """Learning-rate schedules, AdamW + clipping composition, weight-decay mask, and the jitted train step."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,7 +276,7 @@ def test_update_by_layer_equals_the_whole_tree_update(master, moment1_dtype):
     """MemoryConfig.update_by_layer: the per-layer update (one layer's temporaries at a time) is the whole
     tree's, to rounding, over steps that clip (norm above max_grad_norm) and steps that do not."""
     from portable_rl.learner_jax.step import make_apply_step
-    config = ModelConfig(**{**TINY.__dict__, "num_hidden_layers": 2})
+    config = dataclasses.replace(TINY, num_hidden_layers=2)
 
     def build():
         dtype = jnp.bfloat16 if master else jnp.float32

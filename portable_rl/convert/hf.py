@@ -285,14 +285,14 @@ def save_hf_model(model: Transformer, config: ModelConfig, path: str | os.PathLi
                      "weight_map": dict(sorted(weight_map.items()))}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return str(path)
 
 
-def _replace_dir(tmp: Path, path: Path) -> None:
+def replace_dir(tmp: Path, path: Path) -> None:
     """Renames `tmp` to `path`; an existing `path` is moved aside first and removed afterwards."""
     old = None
     if path.exists():

@@ -132,6 +132,11 @@ class GroupCall(NamedTuple):
     owned: list[int]       # its optimizer leaves (moments, master weights), written by its call
     shared: list[int]      # the step count and hyperparameters, read by every call
 
+    def arguments(self, params: list, state: list, grads: list) -> tuple:
+        """The call's array arguments, from the flat params, optimizer state and grads leaves."""
+        return ([params[i] for i in self.params], [state[i] for i in self.owned], [state[i] for i in self.shared],
+                [grads[i] for i in self.params])
+
 
 class LayerwiseApplyStep:
     """`make_apply_step()`'s update, run as one jitted call per layer group (`layer_groups`).
@@ -156,6 +161,7 @@ class LayerwiseApplyStep:
     def __init__(self):
         self.norm = jax.jit(lambda grads: optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
         self._updates = {}  # optimizer.tx -> its jitted group update
+        self._plans = {}    # (params treedef, optimizer state treedef) -> `plan`'s calls
 
     def group_update(self, tx):
         """jitted `fn(spec, params, owned, shared, grads, norm) -> (params, owned, shared)` (flat leaf lists)."""
@@ -176,9 +182,16 @@ class LayerwiseApplyStep:
             self._updates[tx] = jax.jit(update, static_argnums=(0,), donate_argnums=(1, 2))
         return self._updates[tx]
 
+    def plan(self, params, opt_state) -> list[GroupCall]:
+        """Each group's call, from pure (`nnx.as_pure`) params and optimizer state; worked out once per tree
+        structure (it walks every subtree of the optimizer state once per group)."""
+        key = (jax.tree.structure(params), jax.tree.structure(opt_state))
+        if key not in self._plans:
+            self._plans[key] = self._group_calls(params, opt_state)
+        return self._plans[key]
+
     @staticmethod
-    def plan(params, opt_state) -> list[GroupCall]:
-        """Each group's call, from pure (`nnx.as_pure`) params and optimizer state."""
+    def _group_calls(params, opt_state) -> list[GroupCall]:
         params_def = jax.tree.structure(params)
         is_params_like = lambda t: jax.tree.structure(t) == params_def  # noqa: E731
         params_index = jax.tree.unflatten(params_def, range(params_def.num_leaves))
@@ -218,8 +231,7 @@ class LayerwiseApplyStep:
         g = jax.tree.leaves(grads)
         shared = {}
         for k, call in enumerate(self.plan(params, opt_state)):
-            new_p, new_owned, new_shared = fn(call.spec, [p[i] for i in call.params], [s[i] for i in call.owned],
-                                              [s[i] for i in call.shared], [g[i] for i in call.params], norm)
+            new_p, new_owned, new_shared = fn(call.spec, *call.arguments(p, s, g), norm)
             for i, x in zip(call.params, new_p):
                 p[i] = x
             for i, x in zip(call.owned, new_owned):

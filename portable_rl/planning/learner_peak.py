@@ -198,8 +198,7 @@ def apply_stats(apply_step, model, optimizer, grad_sum, persistent: int) -> list
         if call.spec in seen:  # the same compilation as an earlier group's (and the same bytes)
             continue
         seen.add(call.spec)
-        args = ([p[i] for i in call.params], [s[i] for i in call.owned], [s[i] for i in call.shared],
-                [g[i] for i in call.params])
+        args = call.arguments(p, s, g)
         a = compile_stats(f"apply_step/{'.'.join(map(str, call.group))}", fn, call.spec, *args,
                           jax.ShapeDtypeStruct((), jnp.float32))
         a["persistent_argument_bytes"] = tree_device_bytes(args)
