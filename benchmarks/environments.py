@@ -4,26 +4,34 @@ fp8_per_channel, 4 questions × 8 samples, at most 4 turns of 96 tokens, 1024 to
 
     python -m portable_rl.convert.gguf checkpoints/smollm2-135m-instruct      # once
     python -m benchmarks.environments [--model checkpoints/smollm2-135m-instruct] [--repeats 3] \
-        [--block_sizes 32 128] [--out docs/data/environments_cost]
+        [--serving continuous waves] [--block_sizes 32 128] [--out docs/data/environments_cost]
 
 One engine per KV block size (`--block_sizes`; the adapter's CPU default 32 alone when not given: the prefix
 cache reuses whole blocks, so the block is what a later turn's prefill depends on); after a warm-up pass each,
-each repetition r runs, alternating, on every engine in turn, each arm from an empty prefix cache (as after a
-training step's weight push):
+each repetition r runs, alternating, every serving mode (`--serving`) on every engine in turn, each arm from an
+empty prefix cache (as after a training step's weight push):
 
     multi    the rollout phase of a training step (`generate_and_score`, the driver of rl/turns.py) on the
-             questions of step r → its wall time W, the engine's time G (the sum of its generate calls), the
-             environments' time E (`time/env`) and the model tokens N = Σ_t N_t (response_mask = 1)
+             questions of step r, served `continuous` (vLLM's serve: a turn joins the running batch when the
+             last one's environment step is done) or in `waves` (the default EngineAdapter.serve: one generate
+             call per turn) → its wall time W, the engine's time G (serve's wall time less the time spent
+             answering finished turns), the environments' time E (`time/env`) and the model tokens
+             N = Σ_t N_t (response_mask = 1)
     single   ONE generate call of the same prompts, trajectory t's forced to its N_t tokens (vLLM ignore_eos):
              a single-turn step of the same tokens → its wall time S
 
-and reports per repetition, then the median:
+and, for both, the tokens the engine computed (C_multi, C_single: every step's scheduled prefill and decode
+tokens; a later turn prefills its observation and what the prefix cache does not hold). It reports per
+repetition, then the median:
 
     env share        E / W              environment time in the rollout phase (target < 5 % of the step)
     turn overhead    (W − G − E) / W    the driver's own time: observations tokenized, turns decoded, bookkeeping
     tokens/s ratio   (N / W) / (N / S) = S / W     multi-turn against single-turn generation (target >= 0.8)
+                     = work ratio × engine efficiency ratio:
+    work ratio       C_single / C_multi             how much more the multi-turn pass gives the model to compute
+    efficiency ratio (C_multi / W) / (C_single / S) how fast the engine computes it, against the single call
 
-and, with several block sizes, each engine's median multi-turn wall time against the first's.
+and, with several arms (serving modes × block sizes), each arm's multi-turn wall time against the first arm's.
 
 Shares are of the rollout phase alone; a training step adds the learner's time (most of the recipe's step), so
 the share of the step is smaller. The policy is the base model, not the recipe's warm start (which takes ~10
@@ -45,35 +53,52 @@ from benchmarks.bench_common import write_json
 
 
 class TimedEngine:
-    """The engine, with the wall time of its generate calls summed in `seconds`."""
+    """The engine serving `serving` ("continuous": its own serve; "waves": EngineAdapter.serve), with the
+    engine's time in `seconds` (serve's wall time less its respond calls) and the respond calls in `calls`."""
 
-    def __init__(self, engine):
-        self.engine, self.seconds, self.calls = engine, 0.0, 0
+    def __init__(self, engine, serving: str):
+        self.engine, self.serving, self.seconds, self.calls = engine, serving, 0.0, 0
 
-    def generate(self, prompt_token_ids, sampling):
+    def serve(self, requests, respond):
+        from portable_rl.engines.base import EngineAdapter
+
+        answering = 0.0
+
+        def timed(finished):
+            nonlocal answering
+            start = time.perf_counter()
+            try:
+                return respond(finished)
+            finally:
+                answering += time.perf_counter() - start
+                self.calls += 1
+
         start = time.perf_counter()
-        try:
-            return self.engine.generate(prompt_token_ids, sampling)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+        if self.serving == "continuous":
+            self.engine.serve(requests, timed)
+        else:
+            EngineAdapter.serve(self.engine, requests, timed)
+        self.seconds += time.perf_counter() - start - answering
 
     def __getattr__(self, name):  # max_model_len, quantization, ...
         return getattr(self.engine, name)
 
 
-def multi_turn_pass(engine, codec, examples, sampling, environment) -> dict:
+def multi_turn_pass(engine, codec, examples, sampling, environment, serving: str) -> dict:
     from portable_rl.rl.scoring import generate_and_score
 
-    timed = TimedEngine(engine)
+    timed = TimedEngine(engine, serving)
     engine._require_llm().reset_prefix_cache()
+    computed = engine.scheduled_tokens()
     start = time.perf_counter()
     scored = generate_and_score(timed, codec, examples, None, sampling, environment)
     wall = time.perf_counter() - start
+    computed = engine.scheduled_tokens() - computed
     model_tokens = [sum(r.response_mask) if r.response_mask is not None else len(r.response_token_ids)
                     for r in scored.rollouts]
     finishes = [t.finish for t in scored.trajectories]
-    return {"wall_s": wall, "engine_s": timed.seconds, "env_s": scored.env_seconds, "generate_calls": timed.calls,
+    return {"wall_s": wall, "engine_s": timed.seconds, "env_s": scored.env_seconds, "respond_calls": timed.calls,
+            "computed_tokens": computed,
             "model_tokens": model_tokens, "tokens": sum(model_tokens),
             "turns_mean": statistics.mean(t.num_turns for t in scored.trajectories),
             "finish": {f: finishes.count(f) for f in sorted(set(finishes))},
@@ -82,9 +107,10 @@ def multi_turn_pass(engine, codec, examples, sampling, environment) -> dict:
             "prompts": [r.prompt_token_ids for r in scored.rollouts]}
 
 
-def single_turn_pass(engine, prompts, lengths, temperature: float, seed: int) -> float:
+def single_turn_pass(engine, prompts, lengths, temperature: float, seed: int) -> tuple[float, int]:
     """One vLLM call generating exactly lengths[t] tokens after prompts[t] (EOS ignored), as the adapter samples
-    (logprobs of the sampled token, no detokenization), from an empty prefix cache → its wall time."""
+    (logprobs of the sampled token, no detokenization), from an empty prefix cache → (its wall time, the tokens
+    the engine computed)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -92,9 +118,10 @@ def single_turn_pass(engine, prompts, lengths, temperature: float, seed: int) ->
     llm.reset_prefix_cache()  # the multi-turn pass just computed these prompts
     params = [SamplingParams(n=1, temperature=temperature, max_tokens=max(int(n), 1), ignore_eos=True, seed=seed + t,
                              logprobs=0, detokenize=False) for t, n in enumerate(lengths)]
+    computed = engine.scheduled_tokens()
     start = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, engine.scheduled_tokens() - computed
 
 
 def gold_sql_steps(examples, environment) -> dict:
@@ -115,11 +142,14 @@ def gold_sql_steps(examples, environment) -> dict:
     return {"trajectories": len(examples), "steps": steps, "seconds": seconds, "s_per_step": seconds / steps}
 
 
-def repetition(engine, codec, examples, sampling, environment, temperature: float, seed: int) -> dict:
-    multi = multi_turn_pass(engine, codec, examples, sampling, environment)
-    single_s = single_turn_pass(engine, multi.pop("prompts"), multi["model_tokens"], temperature, seed)
+def repetition(engine, codec, examples, sampling, environment, temperature: float, seed: int, serving: str) -> dict:
+    multi = multi_turn_pass(engine, codec, examples, sampling, environment, serving)
+    single_s, single_computed = single_turn_pass(engine, multi.pop("prompts"), multi["model_tokens"], temperature, seed)
     wall = multi["wall_s"]
-    return {**multi, "single_turn_s": single_s, "env_share": multi["env_s"] / wall,
+    return {**multi, "single_turn_s": single_s, "single_computed_tokens": single_computed,
+            "work_ratio": single_computed / multi["computed_tokens"],
+            "efficiency_ratio": (multi["computed_tokens"] / wall) / (single_computed / single_s),
+            "env_share": multi["env_s"] / wall,
             "turn_overhead_share": (wall - multi["engine_s"] - multi["env_s"]) / wall,
             "tokens_per_s_multi": multi["tokens"] / wall, "tokens_per_s_single": multi["tokens"] / single_s,
             "tokens_per_s_ratio": single_s / wall}
@@ -136,12 +166,13 @@ def main(argv=None):
     parser.add_argument("--max_model_len", type=int, default=1024)
     parser.add_argument("--quantization", default="fp8_per_channel")
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--serving", nargs="+", default=["continuous", "waves"], choices=["continuous", "waves"])
     parser.add_argument("--block_sizes", type=int, nargs="+", default=None,
                         help="one engine per KV block size (default: the adapter's)")
     parser.add_argument("--out", default="docs/data/environments_cost")
     args = parser.parse_args(argv)
 
-    from portable_rl.engines import SamplingConfig, create_engine
+    from portable_rl.engines import SamplingConfig, create_engine, vllm_internals
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import EnvironmentConfig
     from portable_rl.tasks.sql_data import SqlTask
@@ -167,21 +198,27 @@ def main(argv=None):
                 kwargs["block_size"] = block
             engine = create_engine("vllm", model_path=args.model, max_model_len=args.max_model_len,
                                    engine_init_kwargs=kwargs)
-            key = f"block_{engine.engine_init_kwargs.get('block_size', 'vllm_default')}"
-            engines[key] = engine
-            result["engines"][key] = {"repetitions": []}
+            engine.scheduled_tokens = vllm_internals.scheduled_token_counter(engine._require_llm())
+            block = f"block_{engine.engine_init_kwargs.get('block_size', 'vllm_default')}"
+            engines[block] = engine
+            for serving in args.serving:
+                result["engines"][f"{block}_{serving}"] = {"repetitions": []}
         for engine in engines.values():  # warm-up
-            multi_turn_pass(engine, codec, task.train_batch(0, 0, args.prompts), sampling(0), environment)
+            for serving in args.serving:
+                multi_turn_pass(engine, codec, task.train_batch(0, 0, args.prompts), sampling(0), environment, serving)
         for r in range(1, args.repeats + 1):
-            for key, engine in engines.items():
-                rep = repetition(engine, codec, task.train_batch(r, 0, args.prompts), sampling(r), environment,
-                                 args.temperature, r)
-                result["engines"][key]["repetitions"].append(rep)
-                print(f"[{r} {key}] W {rep['wall_s']:.1f} s (engine {rep['engine_s']:.1f}, env {rep['env_s']:.3f}), "
-                      f"{rep['tokens']} tokens in {rep['turns_mean']:.2f} turns; single turn {rep['single_turn_s']:.1f} s; "
-                      f"env {rep['env_share']:.2%}, overhead {rep['turn_overhead_share']:.2%}, "
-                      f"ratio {rep['tokens_per_s_ratio']:.2f}", flush=True)
-                write_json(args.out, name, result)
+            for block, engine in engines.items():
+                for serving in args.serving:
+                    key = f"{block}_{serving}"
+                    rep = repetition(engine, codec, task.train_batch(r, 0, args.prompts), sampling(r), environment,
+                                     args.temperature, r, serving)
+                    result["engines"][key]["repetitions"].append(rep)
+                    print(f"[{r} {key}] W {rep['wall_s']:.1f} s (engine {rep['engine_s']:.1f}, env {rep['env_s']:.3f}), "
+                          f"{rep['tokens']} tokens in {rep['turns_mean']:.2f} turns; single turn "
+                          f"{rep['single_turn_s']:.1f} s; env {rep['env_share']:.2%}, overhead "
+                          f"{rep['turn_overhead_share']:.2%}, ratio {rep['tokens_per_s_ratio']:.2f} = work "
+                          f"{rep['work_ratio']:.2f} x efficiency {rep['efficiency_ratio']:.2f}", flush=True)
+                    write_json(args.out, name, result)
     finally:
         for engine in engines.values():
             engine.close()
@@ -190,7 +227,7 @@ def main(argv=None):
         reps = entry["repetitions"]
         entry["median"] = {k: statistics.median(rep[k] for rep in reps)
                            for k in ("env_share", "turn_overhead_share", "tokens_per_s_ratio", "tokens_per_s_multi",
-                                     "tokens_per_s_single", "wall_s")}
+                                     "tokens_per_s_single", "wall_s", "work_ratio", "efficiency_ratio")}
         entry["range"] = {k: [min(rep[k] for rep in reps), max(rep[k] for rep in reps)]
                           for k in ("tokens_per_s_ratio", "wall_s")}
         first = first or entry
@@ -199,7 +236,8 @@ def main(argv=None):
         median = entry["median"]
         print(f"{key} median: env share {median['env_share']:.2%}, turn overhead {median['turn_overhead_share']:.2%}, "
               f"multi/single tokens/s {median['tokens_per_s_ratio']:.2f} "
-              f"({entry['range']['tokens_per_s_ratio'][0]:.2f}-{entry['range']['tokens_per_s_ratio'][1]:.2f}); "
+              f"({entry['range']['tokens_per_s_ratio'][0]:.2f}-{entry['range']['tokens_per_s_ratio'][1]:.2f}) = work "
+              f"{median['work_ratio']:.2f} x efficiency {median['efficiency_ratio']:.2f}; "
               f"multi-turn wall / first engine's, per repetition: "
               f"{', '.join(f'{x:.2f}' for x in entry['wall_s_vs_first'])}")
     result["gold_sql"] = gold_sql_steps(task.eval_examples(), environment)

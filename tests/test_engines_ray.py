@@ -42,9 +42,9 @@ def max_logprob_diff(a, b):
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.response_logprobs, rb.response_logprobs))
 
 
-def generate_on(fleet, engine_index, prompts, sampling):
+def generate_on(fleet, engine_index, prompts, sampling, seeds=None):
     """The whole batch on one engine of the fleet, unsharded: what the fleet's sharded `generate` must equal."""
-    return ray.get(fleet._actors[engine_index].generate.remote(prompts, sampling))
+    return ray.get(fleet._actors[engine_index].generate.remote(prompts, sampling, seeds))
 
 
 def engine_pids(fleet):
@@ -218,7 +218,7 @@ def test_push_reaches_every_engine(fleet, learner):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, ckpt):
-    """The multi-turn driver (rl/turns.py) on the fleet: every turn's one batched call is sharded over both
+    """The multi-turn driver (rl/turns.py) on the fleet: every wave's one batched call is sharded over both
     engines, and the trajectories are those the driver gets from engine 0 alone: the same ids and logprobs, the
     observations masked, the same turns and finish reasons; the environment's stop string and the fleet's
     max_model_len reach the engines."""
@@ -244,8 +244,8 @@ def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, c
     class EngineZero(EngineAdapter):
         quantization, max_model_len = None, fleet.max_model_len
 
-        def generate(self, prompt_token_ids, sampling):
-            return generate_on(fleet, 0, prompt_token_ids, sampling)
+        def generate(self, prompt_token_ids, sampling, seeds=None):
+            return generate_on(fleet, 0, prompt_token_ids, sampling, seeds)
 
         def update_weights(self, named_tensors):
             raise NotImplementedError

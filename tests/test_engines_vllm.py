@@ -14,6 +14,8 @@ stale-weight checks below produce ≥ 0.3, measured 1.0–2.5).
 """
 
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,89 @@ def test_rollouts_are_prompt_major_and_seeded(bf16_engine):
     again = bf16_engine.generate(PROMPTS, SAMPLING)
     assert [r.response_token_ids for r in again] == [r.response_token_ids for r in rollouts]
     assert rollouts[0].response_token_ids != rollouts[1].response_token_ids  # the n samples differ
+
+
+def test_seeds_replace_the_batch_rule_per_prompt(bf16_engine):
+    """generate(..., seeds=s): prompt i's samples are those of the batch rule's prompt whose seed s_i is."""
+    batch = bf16_engine.generate(PROMPTS, SAMPLING)
+    picked = bf16_engine.generate([PROMPTS[3], PROMPTS[1]], SAMPLING, seeds=[SAMPLING.seed_for(3), SAMPLING.seed_for(1)])
+    assert [r.response_token_ids for r in picked] == [r.response_token_ids for r in batch[6:8] + batch[2:4]]
+
+
+def serve_log(engine, requests, follow_up, serve=None):
+    """engine.serve(requests, respond) with a respond that logs every finished request (in order, with the
+    number of the respond call) and sends `follow_up(request, rollouts)` (a Request or None) for each."""
+    log, calls = [], [0]
+
+    def respond(finished):
+        calls[0] += 1
+        log.extend((calls[0], request, rollouts) for request, rollouts in finished)
+        return [r for r in (follow_up(request, rollouts) for request, rollouts in finished) if r is not None]
+
+    (serve or engine.serve)(requests, respond)
+    return log
+
+
+def test_serve_of_a_batch_equals_generate(bf16_engine):
+    """The requests of one generate call (n = 2 samples each, the batch rule's seeds), served continuously:
+    the same rollouts, token for token and logprob for logprob."""
+    from portable_rl.engines.base import Request
+
+    reference = bf16_engine.generate(PROMPTS, SAMPLING)
+    requests = [Request(i, p, dataclasses.replace(SAMPLING, seed=SAMPLING.seed_for(i))) for i, p in enumerate(PROMPTS)]
+    log = serve_log(bf16_engine, requests, lambda request, rollouts: None)
+    served = [r for _, _, rollouts in sorted(log, key=lambda entry: entry[1].key) for r in rollouts]
+    assert [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in served] == \
+           [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in reference]
+
+
+def test_serve_answers_a_request_when_it_finishes_not_when_its_wave_does(bf16_engine):
+    """A 2-token request and a 12-token one; each finished 2-token request is followed by another (its prompt +
+    response). vLLM's serve hands the short one back after its own step and runs its follow-ups beside the long
+    one: three follow-ups finish before the long request, in separate respond calls. The default (waves) answers
+    both together. Both give every request the tokens a lone generate of it gives (its seed is its own)."""
+    from portable_rl.engines.base import EngineAdapter, Request
+
+    short = SamplingConfig(temperature=0.7, max_tokens=2, min_tokens=2, seed=3)
+    long = SamplingConfig(temperature=0.7, max_tokens=12, min_tokens=12, seed=5)
+
+    def follow_up(request, rollouts):
+        if request.sampling.max_tokens == 2 and request.key < 3:
+            return Request(request.key + 1, request.prompt_token_ids + rollouts[0].response_token_ids,
+                           dataclasses.replace(short, seed=short.seed + request.key + 1))
+        return None
+
+    requests = [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)]
+    continuous = serve_log(bf16_engine, requests, follow_up)
+    waves = serve_log(bf16_engine, requests, follow_up, serve=lambda r, f: EngineAdapter.serve(bf16_engine, r, f))
+    keys = lambda log: [(call, request.key) for call, request, _ in log]  # noqa: E731
+    assert keys(continuous) == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]  # the long one last, alone
+    assert keys(waves) == [(1, 0), (1, 100), (2, 1), (3, 2), (4, 3)]
+    for log in (continuous, waves):
+        for _, request, (rollout,) in log:
+            alone, = bf16_engine.generate([request.prompt_token_ids], request.sampling)
+            assert rollout.response_token_ids == alone.response_token_ids
+            assert len(rollout.response_token_ids) == request.sampling.max_tokens
+            np.testing.assert_allclose(rollout.response_logprobs, alone.response_logprobs, atol=BF16_MAX_ABS_DIFF)
+
+
+def test_a_raising_respond_leaves_nothing_in_the_engine(bf16_engine):
+    from portable_rl.engines import vllm_internals
+    from portable_rl.engines.base import Request
+
+    def respond(finished):
+        raise RuntimeError("environment bug")
+
+    reference = bf16_engine.generate(PROMPTS, SAMPLING)
+    requests = [Request(0, PROMPTS[0], dataclasses.replace(SAMPLING, max_tokens=2, min_tokens=2)),
+                Request(1, PROMPTS[1], dataclasses.replace(SAMPLING, max_tokens=12, min_tokens=12))]
+    with pytest.raises(RuntimeError, match="environment bug"):
+        bf16_engine.serve(requests, respond)  # raises when the 2-token request is answered, the other one running
+    assert not bf16_engine._require_llm().llm_engine.has_unfinished_requests()
+    assert vllm_internals.step_outputs(bf16_engine._require_llm()) == []
+    after = bf16_engine.generate(PROMPTS, SAMPLING)  # whole: no leftover request shares its batch
+    assert [(r.response_token_ids, r.response_logprobs) for r in after] == \
+           [(r.response_token_ids, r.response_logprobs) for r in reference]
 
 
 def test_stop_token_ends_with_finish_reason_stop(bf16_engine):

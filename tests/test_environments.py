@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from portable_rl import tis
-from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig
+from portable_rl.engines.base import EngineAdapter, Rollout, SamplingConfig, prompt_seeds
 from portable_rl.errors import ConfigError
 from portable_rl.environments import (Environment, SingleTurnEnvironment, Step, UnknownEnvironmentError,
                                       available_environments, get_environment, register_environment)
@@ -72,13 +72,14 @@ class ScriptedEngine(EngineAdapter):
     def __init__(self, codec, policy):
         self.codec, self.policy, self.calls = codec, policy, []
 
-    def generate(self, prompt_token_ids, sampling):
-        self.calls.append((len(prompt_token_ids), sampling))
-        out = []
+    def generate(self, prompt_token_ids, sampling, seeds=None):
+        self.calls.append((len(prompt_token_ids), sampling) if seeds is None else
+                          (len(prompt_token_ids), sampling, list(seeds)))
+        out, first = [], prompt_seeds(sampling, seeds, len(prompt_token_ids))
         for i, p in enumerate(prompt_token_ids):
             for j in range(sampling.n):
                 text, eos = self.policy(self.codec.tokenizer.decode(p, skip_special_tokens=True),
-                                        sampling.seed_for(i, j))
+                                        None if first[i] is None else first[i] + j)
                 ids = self.codec.tokenizer.encode(text, add_special_tokens=False) + ([self.codec.eos_id] if eos else [])
                 out.append(Rollout(i, list(p), ids, [-0.01 * (t + 1) for t in range(len(ids))],
                                    "stop" if eos else "length"))
@@ -153,7 +154,7 @@ def test_calculator_trajectories_are_tokens_in_tokens_out(codec):
         a, b = EXAMPLES[p].prompt[:-1].split("+")
         turn0 = codec.tokenizer.encode(f"calc:{a}+{b}") + [codec.eos_id]
         obs = codec.encode_observation(f"={int(a) + int(b)}")
-        seed = turn_seed(100, 1) + t  # the t-th of the 6 active trajectories
+        seed = turn_seed(100, 1) + t  # trajectory t's turn-1 seed
         turn1 = codec.tokenizer.encode(f"answer:{int(a) + int(b) + seed % 2}") + [codec.eos_id]
         assert r.response_token_ids == turn0 + obs + turn1
         assert r.response_mask == [1] * len(turn0) + [0] * len(obs) + [1] * len(turn1)
@@ -162,6 +163,24 @@ def test_calculator_trajectories_are_tokens_in_tokens_out(codec):
         assert r.response_logprobs[:len(turn0)] == [-0.01 * (k + 1) for k in range(len(turn0))]  # as returned
         assert traj.finish == "done" and traj.num_turns == 2
         assert traj.reward == float(seed % 2 == 0)
+
+
+def test_a_turn_is_seeded_by_its_trajectory_not_by_which_others_still_run(codec):
+    """Odd trajectories answer at turn 0 and end; turn 1 is one call over trajectories 0, 2, 4, each seeded
+    S_1 + t (its own index), as it would be with all six still running."""
+    def policy(text, seed):
+        if "calc:" in text:  # turn 1
+            return f"answer:{seed}", True
+        return ("calc:1+1", True) if seed % 2 == 0 else ("answer:0", True)
+
+    engine = ScriptedEngine(codec, policy)
+    trajs, _ = run_trajectories(engine, codec, EXAMPLES, Calculator, SAMPLING,
+                                EnvironmentConfig(name="test_calculator", max_turns=4))
+    s1 = turn_seed(100, 1)
+    assert engine.calls == [(3, SAMPLING), (3, SamplingConfig(n=1, seed=s1, max_tokens=16), [s1, s1 + 2, s1 + 4])]
+    assert [t.num_turns for t in trajs] == [2, 1] * 3
+    for t in (0, 2, 4):
+        assert codec.decode_response(trajs[t].rollout.response_token_ids).endswith(f"answer:{s1 + t}")
 
 
 def test_finish_reasons_and_failing_environments_end_only_their_trajectory(codec):
@@ -339,7 +358,7 @@ def test_retokenizing_the_text_changes_tokens_the_driver_keeps(tmp_path):
     char_ids = lambda s: [codec.tokenizer.convert_tokens_to_ids(c) for c in s]  # noqa: E731
 
     class CharEngine(ScriptedEngine):  # samples the calculator policy's text one character per token
-        def generate(self, prompt_token_ids, sampling):
+        def generate(self, prompt_token_ids, sampling, seeds=None):
             out = []
             for i, p in enumerate(prompt_token_ids):
                 for j in range(sampling.n):
@@ -405,12 +424,12 @@ class LimitedEngine(ScriptedEngine):
         super().__init__(codec, policy)
         self.max_model_len = max_model_len
 
-    def generate(self, prompt_token_ids, sampling):
+    def generate(self, prompt_token_ids, sampling, seeds=None):
         for p in prompt_token_ids:
             if len(p) >= self.max_model_len:
                 raise ValueError(f"The decoder prompt (length {len(p)}) is longer than the maximum model length")
         out = []
-        for r in super().generate(prompt_token_ids, sampling):
+        for r in super().generate(prompt_token_ids, sampling, seeds):
             ids, finish = r.response_token_ids[:sampling.max_tokens], r.finish_reason
             finish = finish if len(ids) == len(r.response_token_ids) else "length"
             text = self.codec.tokenizer.decode(ids, skip_special_tokens=True)

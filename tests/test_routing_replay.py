@@ -219,8 +219,8 @@ def test_multi_turn_routing_is_the_turns_routing_concatenated_in_token_order(tmp
         """Row p of generate call c's routing: the experts (c, p mod 200), in one layer."""
         returns_routed_experts = True
 
-        def generate(self, prompt_token_ids, sampling):
-            call, out = len(self.calls), super().generate(prompt_token_ids, sampling)
+        def generate(self, prompt_token_ids, sampling, seeds=None):
+            call, out = len(self.calls), super().generate(prompt_token_ids, sampling, seeds)
             for r in out:
                 n = len(r.prompt_token_ids) + len(r.response_token_ids) - 1
                 r.routed_experts = np.stack([np.full(n, call), np.arange(n) % 200], -1).astype(np.uint8)[:, None]

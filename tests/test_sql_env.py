@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from portable_rl.engines.base import prompt_seeds
 from portable_rl.environments import get_environment
 from portable_rl.environments.sql import SqlEnvironment
 from portable_rl.errors import ConfigError
@@ -447,14 +448,14 @@ def test_sql_trajectories_through_the_driver_on_a_real_database(task, tmp_path):
             for e in examples}
 
     class Scripted(EngineAdapter):
-        def generate(self, prompt_token_ids, sampling):
+        def generate(self, prompt_token_ids, sampling, seeds=None):
             out = []
             for i, p in enumerate(prompt_token_ids):
                 text = codec.tokenizer.decode(p, skip_special_tokens=True)
                 for j in range(sampling.n):
                     query = next(a for q, a in gold.items() if text.startswith(q))
                     action = (f"<sql>{query}</sql>" if "turns left" not in text else
-                              f"<solution>{query if sampling.seed_for(i, j) % 2 else 'SELECT 1'}</solution>")
+                              f"<solution>{query if (prompt_seeds(sampling, seeds, len(prompt_token_ids))[i] + j) % 2 else 'SELECT 1'}</solution>")
                     ids = codec.tokenizer.encode(action, add_special_tokens=False) + [codec.eos_id]
                     out.append(Rollout(i, list(p), ids, [-0.1] * len(ids), "stop"))
             return out
@@ -489,7 +490,7 @@ def test_warm_start_traces_are_laid_out_exactly_as_the_driver_lays_out_trajector
     replies = [codec.encode_response(t["content"]) for t in example.metadata["turns"] if t["role"] == "assistant"]
 
     class Replay(EngineAdapter):
-        def generate(self, prompt_token_ids, sampling):
+        def generate(self, prompt_token_ids, sampling, seeds=None):
             turn = self.turn = getattr(self, "turn", -1) + 1
             return [Rollout(0, list(p), replies[turn], [-0.5] * len(replies[turn]), "stop") for p in prompt_token_ids]
 

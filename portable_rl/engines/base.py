@@ -26,7 +26,23 @@ Seeds. Sample j of prompt i in a batch gets the seed
     seed_ij = seed + i·n + j                                    (`SamplingConfig.seed_for(i, j)`)
 
 so a prompt's samples do not depend on what else is in the batch, and a shard of the batch starting at
-prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies on this).
+prompt s is the same as the whole batch with seed + s·n (the Ray fleet relies on this). `generate(...,
+seeds=[s_0, s_1, ...])` replaces the rule's per-prompt part: sample j of prompt i gets s_i + j (e.g. the
+multi-turn driver's per-trajectory seeds when only some trajectories are still running).
+
+Serving (`EngineAdapter.serve`): requests that arrive while others run, for rollouts whose next request
+depends on the last one's response (multi-turn environments, rl/turns.py):
+
+    serve(requests, respond)   generates each request; every finished one goes to respond(finished), which
+                               returns the next requests; until no request is left
+
+A `Request` carries its own `SamplingConfig` (its n samples get the seeds seed + j, i.e. `seed_for(0, j)`),
+so a request's rollouts do not depend on when it was sent. The default serves in waves: all the requests
+at hand in one `generate` call per distinct sampling (seeds and max_tokens aside: the wave takes the most
+max_tokens, and a caller cuts a request's longer rollouts back to its own; a seeded sample is the same
+prefix at any max_tokens), then `respond` with all of them. An engine with continuous batching (vLLM)
+overrides it: a finished request goes to `respond` after the engine step that finished it, and the next
+requests join the running batch, so no request waits for the slowest of a wave.
 
 Routed experts (mixture-of-experts policies; `SamplingConfig.return_routed_experts`, for routing replay).
 An adapter with `returns_routed_experts = True` fills `Rollout.routed_experts` with the experts the engine's
@@ -74,7 +90,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Iterable, Iterator, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, Sequence, Tuple
 
 from portable_rl.errors import ConfigError
 
@@ -188,6 +204,44 @@ class Rollout:
             raise ValueError(f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+    """One request to `EngineAdapter.serve`: `sampling.n` samples of `prompt_token_ids`, sample j seeded
+    `sampling.seed + j`. `key` is the caller's (the multi-turn driver: its first trajectory's index)."""
+
+    key: int
+    prompt_token_ids: list[int]
+    sampling: SamplingConfig
+
+
+def _waves(requests: Sequence[Request]) -> list[list[Request]]:
+    """The requests grouped by sampling, seeds and max_tokens aside (first-seen order), seeded and unseeded
+    apart: each group is one `generate` call of the default `serve`."""
+    groups: dict = {}
+    for r in requests:
+        fields = dataclasses.asdict(r.sampling)
+        fields.update(seed=r.sampling.seed is None, max_tokens=None)
+        groups.setdefault(tuple(fields.items()), []).append(r)
+    return list(groups.values())
+
+
+def _batch_seeds(seeds: list[int | None], n: int) -> dict:
+    """`generate`'s seed arguments for prompts with these sample-0 seeds: none when the batch rule gives them
+    (seed + i·n: the call a one-shot caller makes), else `seeds`."""
+    if seeds[0] is None or all(s == seeds[0] + i * n for i, s in enumerate(seeds)):
+        return {}
+    return {"seeds": seeds}
+
+
+def prompt_seeds(sampling: SamplingConfig, seeds: Sequence[int] | None, num_prompts: int) -> list[int | None]:
+    """Per prompt the seed of its sample 0: `seeds` (checked) or the batch rule `sampling.seed_for(i)`."""
+    if seeds is None:
+        return [sampling.seed_for(i) for i in range(num_prompts)]
+    if len(seeds) != num_prompts:
+        raise ValueError(f"{len(seeds)} seeds for {num_prompts} prompts; pass one per prompt")
+    return [int(s) for s in seeds]
+
+
 NamedTensor = Tuple[str, "torch.Tensor"]  # noqa: F821  (torch is only needed by concrete adapters)
 
 def named_tensor_pairs(named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
@@ -243,8 +297,29 @@ class EngineAdapter(abc.ABC):
                 "start a vLLM engine with return_routed_experts=True on an MoE checkpoint, or turn replay off")
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
-        """Returns `n` rollouts per prompt in prompt-major order (prompt 0's n samples first)."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 seeds: Sequence[int] | None = None) -> list[Rollout]:
+        """Returns `n` rollouts per prompt in prompt-major order (prompt 0's n samples first). `seeds`: per
+        prompt, the seed of its sample 0 (module doc, "Seeds"); None: `sampling.seed_for(i)`."""
+
+    def serve(self, requests: Sequence["Request"],
+              respond: Callable[[list[tuple["Request", list[Rollout]]]], Sequence["Request"]]) -> None:
+        """Generates `requests` and whatever `respond` returns for the finished ones, until none is left
+        (module doc, "Serving"). This default serves in waves: one `generate` call per distinct sampling over
+        all the requests at hand, then one `respond` with every one of them, in request order."""
+        pending = list(requests)
+        while pending:
+            finished = []
+            for group in _waves(pending):
+                first = group[0].sampling
+                rollouts = self.generate(
+                    [r.prompt_token_ids for r in group],
+                    dataclasses.replace(first, max_tokens=max(r.sampling.max_tokens for r in group)),
+                    **_batch_seeds([r.sampling.seed for r in group], first.n))
+                finished += [(r, rollouts[i * first.n:(i + 1) * first.n]) for i, r in enumerate(group)]
+            order = {id(r): i for i, r in enumerate(pending)}
+            finished.sort(key=lambda pair: order[id(pair[0])])
+            pending = list(respond(finished))
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:

@@ -66,8 +66,12 @@ class FakeQuantEngine(EngineAdapter):
     def returns_sampling_support(self) -> bool:
         return self.inner.returns_sampling_support
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
-        return self.inner.generate(prompt_token_ids, sampling)
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 seeds: Sequence[int] | None = None) -> list[Rollout]:
+        return self.inner.generate(prompt_token_ids, sampling, **({} if seeds is None else {"seeds": seeds}))
+
+    def serve(self, requests, respond) -> None:
+        self.inner.serve(requests, respond)  # the inner engine's batching (vLLM: continuous)
 
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Fake-quantizes the flat pairs lazily and hands the inner engine the same flat shape (it buckets)."""

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 
 from portable_rl.engines.buckets import bucketed
 from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs)
+                                      named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.registry import create_engine, register
 from portable_rl.errors import UserError
 
@@ -111,8 +111,9 @@ class EngineHost:
     def max_model_len(self) -> int | None:
         return getattr(self.engine, "max_model_len", None)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Rollout]:
-        return self.engine.generate(prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+                 ) -> list[Rollout]:
+        return self.engine.generate(prompts, sampling, **({} if seeds is None else {"seeds": seeds}))
 
     def update_weights(self, bucket_refs: list) -> int:
         import ray
@@ -272,14 +273,16 @@ class RayEngineFleet(EngineAdapter):
         return len(self._actors)
 
     # ----------------------------------------------------------------------------------------- rollouts
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 seeds: Sequence[int] | None = None) -> list[Rollout]:
         actors = self._require_actors()
         prompts = check_prompts(prompt_token_ids)
         self.check_sampling(sampling)
+        seeds = None if seeds is None else prompt_seeds(sampling, seeds, len(prompts))
         bounds = shard_bounds(len(prompts), len(actors))
         calls = []
         for i, (start, end) in enumerate(bounds):
-            args = (prompts[start:end], shard_sampling(sampling, start))
+            args = (prompts[start:end], shard_sampling(sampling, start)) + (() if seeds is None else (seeds[start:end],))
             calls.append((i, actors[i].generate.remote(*args), "generate", args))
         rollouts = []
         for (start, _), shard in zip(bounds, self._gather(calls)):

@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from portable_rl.engines.buckets import bucketed_groups
 from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs)
+                                      named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
 from portable_rl.engines.sglang_internals import (FLASH_RL_ARCHITECTURES, RETURN_ORIGINAL_LOGPROB_ENV,
@@ -229,11 +229,13 @@ class SGLangEngine(EngineAdapter):
         return kwargs.get("quantization") or (hf_config.get("quantization_config") or {}).get("quant_method")
 
     # ----------------------------------------------------------------------------------------- rollouts
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 seeds: Sequence[int] | None = None) -> list[Rollout]:
         engine = self._require_engine()
         prompts = check_prompts(prompt_token_ids)
+        first_seeds = prompt_seeds(sampling, seeds, len(prompts))
         self.check_sampling(sampling)  # no sampling support from SGLang: return_support is refused
-        if sampling.seed is not None and not self.seeds_honoured and not self._warned_unseeded:
+        if any(s is not None for s in first_seeds) and not self.seeds_honoured and not self._warned_unseeded:
             self._warned_unseeded = True
             warnings.warn("SGLang runs without enable_deterministic_inference, so sampling seeds are ignored and "
                           "rollouts are not reproducible (resume and fleet results will differ); start the "
@@ -259,8 +261,8 @@ class SGLangEngine(EngineAdapter):
                     p["min_new_tokens"] = sampling.min_tokens
                 if sampling.stop:  # the returned ids are never trimmed; no_stop_trim keeps the text whole too
                     p.update(stop=list(sampling.stop), no_stop_trim=True)
-                if sampling.seed is not None and self.seeds_honoured:
-                    p["sampling_seed"] = sampling.seed_for(i, j)
+                if first_seeds[i] is not None and self.seeds_honoured:
+                    p["sampling_seed"] = first_seeds[i] + j
                 input_ids.append(prompt)
                 params.append(p)
                 owners.append(i)

@@ -90,16 +90,18 @@ the adapter starts CPU engines with 32, the smallest its attention kernel takes 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import sys
-from typing import Any, Iterable, Sequence
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from portable_rl.engines import vllm_internals
-from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs)
+from portable_rl.engines.base import (EngineAdapter, NamedTensor, Request, Rollout, SamplingConfig, check_prompts,
+                                      named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
@@ -361,53 +363,115 @@ class VLLMEngine(EngineAdapter):
         VLLMEngine._live += in_process
 
     # ----------------------------------------------------------------------------------------- rollouts
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Rollout]:
-        from vllm import SamplingParams
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 seeds: Sequence[int] | None = None) -> list[Rollout]:
         from vllm.inputs import TokensPrompt
 
         llm = self._require_llm()
         prompts = check_prompts(prompt_token_ids)
+        self._check(sampling)
+        # One seed per prompt: vLLM gives the n children of a request seeds seed, seed+1, ..., so sample j of
+        # prompt i gets seeds[i] + j (by default sampling.seed_for(i, j)).
+        params = [self._params(sampling, seed) for seed in prompt_seeds(sampling, seeds, len(prompts))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        captured = self._take_routing()  # after every generate, so the worker keeps nothing between calls
+        # vLLM returns outputs in input order
+        return [r for i, out in enumerate(outputs) for r in self._rollouts(i, prompts[i], out, sampling, captured)]
+
+    def serve(self, requests: Sequence[Request],
+              respond: Callable[[list[tuple[Request, list[Rollout]]]], Sequence[Request]]) -> None:
+        """Continuous batching (base.py, "Serving"): every request joins vLLM's running batch when it is sent,
+        and a finished one goes to `respond` right after the engine step that finished it, with the others
+        of that step (in request order); the requests `respond` returns join before the next step. A request
+        with n > 1 is sent as its n samples (seeds seed + j, as vLLM seeds a request's n children), so each
+        sample is answered as soon as it ends. In-process (one worker, `in_process=True`) each call of
+        `LLMEngine.step` is one engine step, so what is served depends only on the requests, not on timing.
+        An engine with the CPU routing capture (taken per `generate` call) serves in waves (the default)."""
+        if self._captures_routing:
+            return super().serve(requests, respond)
+        llm = self._require_llm()
+        running: dict[str, tuple[int, Request, int]] = {}  # our vLLM request id → (send order, request, sample)
+        samples: dict[int, list] = {}  # send order → the request's rollouts so far, per sample
+        sends = itertools.count()
+
+        def send(batch):
+            for request in batch:
+                prompt = check_prompts([request.prompt_token_ids])[0]
+                self._check(request.sampling)
+                order = next(sends)
+                samples[order] = [None] * request.sampling.n
+                for j in range(request.sampling.n):
+                    rid = f"portable_rl-serve-{order}-{j}"
+                    params = self._params(dataclasses.replace(request.sampling, n=1), request.sampling.seed_for(0, j))
+                    vllm_internals.add_request(llm, rid, prompt, params)
+                    running[rid] = (order, request, j)
+
+        try:
+            send(requests)
+            while running:
+                finished = []
+                for out in vllm_internals.step_outputs(llm):
+                    order, request, j = running.pop(out.request_id)
+                    samples[order][j], = self._rollouts(0, list(request.prompt_token_ids), out,
+                                                        dataclasses.replace(request.sampling, n=1), None)
+                    if all(r is not None for r in samples[order]):
+                        finished.append((order, request, samples.pop(order)))
+                if finished:
+                    finished.sort(key=lambda f: f[0])
+                    send(respond([(request, rollouts) for _, request, rollouts in finished]))
+        finally:
+            if running:  # respond (or a request) raised: nothing of this call stays in the engine
+                vllm_internals.abort_requests(llm, list(running))
+
+    def _check(self, sampling: SamplingConfig) -> None:
         self.check_sampling(sampling)
         # the top-k processed logprobs are finite exactly on the support (module doc); else the sampled one only
-        num_logprobs = sampling.top_k if sampling.return_support else 0
-        if num_logprobs > self.engine_init_kwargs["max_logprobs"]:
+        if sampling.return_support and sampling.top_k > self.engine_init_kwargs["max_logprobs"]:
             raise ConfigError(f"top_k={sampling.top_k} with return_support needs the engine started with "
                               f"max_logprobs >= {sampling.top_k} (it has {self.engine_init_kwargs['max_logprobs']}); "
                               f"pass engine_init_kwargs={{'max_logprobs': {sampling.top_k}}}")
-        params = []
-        for i in range(len(prompts)):
-            # One seed range per prompt: vLLM gives the n children of a request seeds seed, seed+1, ...,
-            # so sample j gets sampling.seed_for(i, j).
-            seed = sampling.seed_for(i)
-            params.append(SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, seed=seed,
-                stop_token_ids=list(sampling.stop_token_ids),
-                # stop strings are matched on the detokenized text; the token completing one stays (base.py)
-                stop=list(sampling.stop), include_stop_str_in_output=True, detokenize=bool(sampling.stop),
-                # flat: per request a few primitive lists, not top_k Logprob objects per token
-                logprobs=num_logprobs, flat_logprobs=sampling.return_support))
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        if self._captures_routing:  # taken after every generate, so the worker keeps nothing between calls
-            captured = records_by_inputs(llm.collective_rpc("portable_rl_take_routed_experts")[0])
+
+    @staticmethod
+    def _params(sampling: SamplingConfig, seed: int | None):
+        """vLLM's SamplingParams for one prompt's `sampling.n` samples, sample j seeded seed + j."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, seed=seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            # stop strings are matched on the detokenized text; the token completing one stays (base.py)
+            stop=list(sampling.stop), include_stop_str_in_output=True, detokenize=bool(sampling.stop),
+            # flat: per request a few primitive lists, not top_k Logprob objects per token
+            logprobs=sampling.top_k if sampling.return_support else 0, flat_logprobs=sampling.return_support)
+
+    def _take_routing(self) -> dict | None:
+        """The CPU routing capture's records since the last take (None on GPU: vLLM returns them itself)."""
+        if not self._captures_routing:
+            return None
+        return records_by_inputs(self._require_llm().collective_rpc("portable_rl_take_routed_experts")[0])
+
+    @staticmethod
+    def _rollouts(index: int, prompt: list[int], out, sampling: SamplingConfig, captured: dict | None
+                  ) -> list[Rollout]:
+        """The Rollouts of one vLLM RequestOutput, in sample order."""
         rollouts = []
-        for i, out in enumerate(outputs):  # vLLM returns outputs in input order
-            for completion in sorted(out.outputs, key=lambda c: c.index):
-                tokens = list(completion.token_ids)
-                support = None
-                if sampling.return_support:
-                    logprobs, support = _sampled_and_support(tokens, completion.logprobs)
-                else:
-                    logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
-                if completion.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
-                routed = None
-                if sampling.return_routed_experts:  # [seq_len - 1, layers, top_k] (base.py, "Routed experts")
-                    routed = (captured[tuple(prompts[i] + tokens[:-1])].pop() if self._captures_routing
-                              else completion.routed_experts)
-                rollouts.append(Rollout(prompt_index=i, prompt_token_ids=prompts[i], response_token_ids=tokens,
-                                        response_logprobs=logprobs, finish_reason=completion.finish_reason,
-                                        sampling_support=support, routed_experts=routed))
+        for completion in sorted(out.outputs, key=lambda c: c.index):
+            tokens = list(completion.token_ids)
+            support = None
+            if sampling.return_support:
+                logprobs, support = _sampled_and_support(tokens, completion.logprobs)
+            else:
+                logprobs = [float(pos[tok].logprob) for tok, pos in zip(tokens, completion.logprobs)]
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
+            routed = None
+            if sampling.return_routed_experts:  # [seq_len - 1, layers, top_k] (base.py, "Routed experts")
+                routed = captured[tuple(prompt + tokens[:-1])].pop() if captured is not None \
+                    else completion.routed_experts
+            rollouts.append(Rollout(prompt_index=index, prompt_token_ids=prompt, response_token_ids=tokens,
+                                    response_logprobs=logprobs, finish_reason=completion.finish_reason,
+                                    sampling_support=support, routed_experts=routed))
         return rollouts
 
     # ----------------------------------------------------------------------------------------- weights

@@ -256,6 +256,26 @@ def served_model_config(llm):
     return llm.llm_engine.vllm_config.model_config
 
 
+def add_request(llm, request_id: str, prompt_token_ids: list[int], params) -> None:
+    """Sends one request to `llm`'s engine under our `request_id` (the `RequestOutput.request_id` that
+    `step_outputs` returns for it), rendered and final-output-only as `LLM.generate` sends each of its requests."""
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    llm.llm_engine.add_request(request_id, tokens_input(prompt_token_ids), params)
+
+
+def step_outputs(llm) -> list:
+    """One engine step of `llm` (in-process: one schedule + forward) → the RequestOutputs it finished."""
+    return [out for out in llm.llm_engine.step() if out.finished]
+
+
+def abort_requests(llm, request_ids: list[str]) -> None:
+    """Drops our requests `request_ids` from `llm`'s engine, finished or not."""
+    llm.llm_engine.abort_request(request_ids)
+
+
 # vLLM's executors that run the (single) worker in the engine core's own process (vllm.v1.executor.abstract)
 SAME_PROCESS_EXECUTORS = ("uni", "external_launcher")
 
@@ -272,6 +292,21 @@ def in_process_model_runner(llm):
     """The model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), for tests that read the
     served weights directly."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def scheduled_token_counter(llm):
+    """Benchmarks: from now on, sums the tokens every engine step of in-process `llm` schedules (prefill chunks
+    and decode tokens: what the model computes) → a function returning the sum so far."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule, total = scheduler.schedule, [0]
+
+    def counting(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        total[0] += output.total_num_scheduled_tokens
+        return output
+
+    scheduler.schedule = counting
+    return lambda: total[0]
 
 
 def first_linear_kernel(worker) -> str:
@@ -476,6 +511,40 @@ def _check_executor_backend(src):
     return _has_attrs(src, "vllm.v1.engine.llm_engine", "LLMEngine", "__init__", ["vllm_config"])
 
 
+def _check_request_level(src):
+    engine = "vllm.v1.engine.llm_engine"
+    add, problem = method_problem(src, engine, "LLMEngine", "add_request")
+    if problem:
+        return problem
+    if parameters(add)[1:4] != ["request_id", "prompt", "params"]:
+        return f"LLMEngine.add_request now takes ({', '.join(parameters(add)[1:])})"
+    for name in ("step", "abort_request"):
+        if method_problem(src, engine, "LLMEngine", name)[1]:
+            return f"LLMEngine.{name} is gone"
+    abort = find_function(find_class(src.tree(engine), "LLMEngine"), "abort_request")
+    if parameters(abort)[1:3] != ["request_ids", "internal"]:
+        return f"LLMEngine.abort_request now takes ({', '.join(parameters(abort)[1:])})"
+    if find_function(src.tree("vllm.inputs.engine"), "tokens_input") is None:
+        return "vllm.inputs.engine.tokens_input is gone (the rendered token prompt add_request takes)"
+    kinds = find_class(src.tree("vllm.sampling_params"), "RequestOutputKind")
+    if kinds is None or "FINAL_ONLY" not in {ast.unparse(t) for node in kinds.body if isinstance(node, ast.Assign)
+                                              for t in node.targets}:
+        return "vllm.sampling_params.RequestOutputKind.FINAL_ONLY is gone"
+    # the output names the request by the id its sender gave (vLLM appends a random suffix internally)
+    if "external_req_id" not in ast.unparse(src.tree("vllm.v1.engine.output_processor")):
+        return "the output processor no longer reports requests by their external id"
+    return None
+
+
+def _check_scheduled_tokens(src):
+    if "total_num_scheduled_tokens" not in class_fields(find_class(src.tree("vllm.v1.core.sched.output"),
+                                                                   "SchedulerOutput")):
+        return "SchedulerOutput lost total_num_scheduled_tokens"
+    return _first(method_problem(src, "vllm.v1.core.sched.scheduler", "Scheduler", "schedule")[1],
+                  _has_attrs(src, "vllm.v1.engine.core", "EngineCore", "__init__", ["scheduler"]),
+                  _has_attrs(src, "vllm.v1.engine.core_client", "InprocClient", "__init__", ["engine_core"]))
+
+
 def _check_model_runner_path(src):
     return _first(
         _has_attrs(src, "vllm.v1.executor.uniproc_executor", "UniProcExecutor", "_init_executor", ["driver_worker"]),
@@ -613,10 +682,22 @@ INTERNALS: tuple[Internal, ...] = (
              "reaches through shared memory (tests/test_engines_vllm_multiprocess.py); nnodes > 1 and 'ray' "
              "are refused (EngineArgs fields)", "portable_rl/engines/vllm_internals.py:executor_backend",
              _check_executor_backend),
+    Internal("request_level", "vllm.v1.engine.llm_engine.LLMEngine.add_request / step / abort_request",
+             "add_request(request_id, tokens_input(ids), params) queues one request whose RequestOutput carries "
+             "that id; "
+             "step() runs one engine step and returns its outputs (finished ones with FINAL_ONLY); "
+             "abort_request(request_ids, internal=False) takes those ids (the continuous serve of multi-turn "
+             "rollouts: tests/test_engines_vllm.py serve tests)",
+             "portable_rl/engines/vllm_internals.py:add_request", _check_request_level),
     Internal("in_process_model_runner", "vllm.v1.executor.uniproc_executor.UniProcExecutor.driver_worker.worker",
              "an in-process engine's runner at llm_engine.engine_core.engine_core.model_executor.driver_worker"
              ".worker.model_runner (tests only)", "portable_rl/engines/vllm_internals.py:in_process_model_runner",
              _check_model_runner_path),
+    Internal("scheduled_tokens", "vllm.v1.core.sched.scheduler.Scheduler.schedule",
+             "an in-process engine's scheduler at llm_engine.engine_core.engine_core.scheduler; each schedule() "
+             "returns a SchedulerOutput whose total_num_scheduled_tokens counts the step's prefill and decode "
+             "tokens (benchmarks only)", "portable_rl/engines/vllm_internals.py:scheduled_token_counter",
+             _check_scheduled_tokens),
     Internal("linear_kernel_path", "layer.scheme.kernel.linear_method / Fp8LinearMethod.fp8_linear",
              "a quantized projection's GEMM kernel and the path it chose (oneDNN or AMX) are readable from the "
              "layer (tests and benchmarks report which kernel served)",

@@ -3,17 +3,25 @@
     reset      env_i = Env(**kwargs) per trajectory; prompt ids of example p = codec.encode_prompt(reset(example))
                (text) or codec.encode_messages(reset(example)) (chat messages)
     stop       sampling.stop + the environment's `stop_strings` (e.g. `</sql>`): a turn ends at one, keeping it
-    length     L = min(max_total_tokens, engine.max_model_len); a prompt of L tokens or more is an error; each
-               call's max_tokens is cut to the most room left, max over its trajectories of L − length
-    turn 0     engine.generate(one prompt per example, sampling)            n trajectories per example: today's
-               call, today's seeds (sample j of example p: seed + p·n + j), trajectory t = p·n + j
-    turn k≥1   engine.generate(ids of every active trajectory, sampling with n = 1 and seed S_k)   ONE batched call;
-               S_k = hash(sampling.seed, k), the a-th active trajectory (in trajectory order) gets S_k + a
-    step       env.step(decoded turn) for every active trajectory, concurrently (a thread pool), each under
-               `step_timeout_s`
+    length     L = min(max_total_tokens, engine.max_model_len); a prompt of L tokens or more is an error; a
+               request's max_tokens is cut to its trajectory's room, L − length
+    serve      engine.serve(requests, respond) (engines/base.py, "Serving"): the requests of turn 0, then
+               respond(finished turns) → the next turns' requests, until none is left
+    turn 0     one request per example, n samples: today's call and seeds (sample j of example p: seed + p·n + j),
+               trajectory t = p·n + j
+    turn k≥1   one request per trajectory, n = 1, seed S_k + t, with S_k = hash(sampling.seed, k): a
+               trajectory's samples depend on its own history only, never on which others still run or when
+    step       env.step(decoded turn) for every trajectory of the finished batch, concurrently (a thread pool),
+               each under `step_timeout_s`
     append     the turn's ids and logprobs exactly as the engine returned them (mask 1), then the observation's
                ids, formatted as the chat template's user/tool turn and tokenized once (`codec.encode_observation`;
                mask 0, logprob 0); the model's text is never re-tokenized
+
+How the turns are batched is the engine's: the default `serve` runs each wave of requests as one batched
+`generate` call (turn k of every trajectory still running, one call; the next wave waits for its slowest
+trajectory); vLLM batches continuously, so a trajectory's next turn joins the running batch right after the
+engine step that finished its last one. Both give the same trajectories up to the engine's batch-dependent
+rounding (each request's seed is its own).
 
 A trajectory's ids are prompt + turn₀ + obs₀ + turn₁ + obs₁ + … + turn_last (no observation after the last
 turn), its reward the sum of its steps' rewards. It ends with one finish reason:
@@ -50,7 +58,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from portable_rl.engines.base import Rollout
+from portable_rl.engines.base import Request, Rollout
 from portable_rl.environments import Step, get_environment
 from portable_rl.errors import ConfigError, UserError
 
@@ -124,7 +132,7 @@ def task_reward(config, task, example) -> Callable[[str, str], float] | None:
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
-    """S_k of turn k ≥ 1 (module doc); None stays unseeded."""
+    """S_k of turn k ≥ 1 (module doc; trajectory t's turn k is seeded S_k + t); None stays unseeded."""
     return None if seed is None else int(np.random.default_rng([seed, turn, 11]).integers(0, 2**31 - 1))
 
 
@@ -132,8 +140,8 @@ class _Open:
     """A trajectory while it runs: its environment, ids after the prompt, and per response token its logprob,
     mask, turn and support."""
 
-    def __init__(self, env, example_index: int, prompt_ids):
-        self.env, self.example_index, self.prompt_ids = env, example_index, prompt_ids
+    def __init__(self, env, index: int, example_index: int, prompt_ids):
+        self.env, self.index, self.example_index, self.prompt_ids = env, index, example_index, prompt_ids
         self.ids, self.logprobs, self.mask, self.turns, self.support = [], [], [], [], []
         self.reward, self.num_turns, self.finish, self.info, self.last = 0.0, 0, None, {}, None
         self.routed = None  # [positions, S, K]: the turns' routed experts so far (module doc), or None
@@ -161,7 +169,8 @@ class _Open:
 
     def trajectory(self, has_support: bool) -> Trajectory:
         single = self.num_turns == 1 and len(self.ids) == len(self.last.response_token_ids)
-        rollout = self.last if single else Rollout(
+        # a one-turn trajectory is the engine's Rollout, indexed by its example (a served request's is 0)
+        rollout = dataclasses.replace(self.last, prompt_index=self.example_index) if single else Rollout(
             prompt_index=self.example_index, prompt_token_ids=self.prompt_ids,
             response_token_ids=self.ids, response_logprobs=self.logprobs, finish_reason=self.last.finish_reason,
             sampling_support=self.support if has_support else None, response_mask=self.mask, turn_index=self.turns,
@@ -229,23 +238,22 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                 f"the prompt of example {p} has {len(ids)} tokens, no room for a turn within {int(budget)} "
                 f"(rl.EnvironmentConfig.max_total_tokens / the engine's max_model_len); raise them or drop longer "
                 f"prompts from the data")
-    trajs = [_Open(env, t // n, encoded[t // n]) for t, env in enumerate(envs)]
+    trajs = [_Open(env, t, t // n, encoded[t // n]) for t, env in enumerate(envs)]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="environment")
     abandoned = []  # futures of timed-out steps (their threads cannot be stopped)
-    try:
-        for turn in range(config.max_turns):
-            active = [t for t in trajs if t.finish is None]
-            if not active:
-                break
-            most = budget - min(t.length for t in active)  # the most tokens any active trajectory may still take
-            call = sampling if most >= sampling.max_tokens else dataclasses.replace(sampling, max_tokens=int(most))
-            if turn == 0:  # today's call: one prompt per example, n samples each, the step's seeds
-                rollouts = engine.generate(encoded, call)
-            else:
-                rollouts = engine.generate([t.prompt_ids + t.ids for t in active],
-                                           dataclasses.replace(call, n=1, seed=turn_seed(sampling.seed, turn)))
-            stepping = []
-            for traj, r in zip(active, rollouts):
+
+    def request(key: int, ids: list[int], turn: int, seed: int | None) -> Request:
+        room = int(min(sampling.max_tokens, budget - len(ids)))
+        return Request(key, ids, dataclasses.replace(sampling, n=sampling.n if turn == 0 else 1, seed=seed,
+                                                     max_tokens=room, min_tokens=min(sampling.min_tokens, room)))
+
+    def respond(finished: list[tuple[Request, list]]) -> list[Request]:
+        """A batch of finished turns → the next turns' requests: each turn appended and stepped (module doc)."""
+        nonlocal env_seconds
+        stepping = []
+        for req, rollouts in finished:
+            for j, r in enumerate(rollouts):  # request `key` holds trajectories key, key + 1, ...
+                traj, turn = trajs[req.key + j], trajs[req.key + j].num_turns
                 ids, logprobs, support = r.response_token_ids, r.response_logprobs, r.sampling_support or []
                 room = int(min(len(ids), budget - traj.length))
                 # cut at L, or stopped there short of its own max_tokens (by max_model_len or the cut max_tokens)
@@ -258,29 +266,37 @@ def run_trajectories(engine, codec, examples: Sequence, make_env: Callable[[], o
                     traj.end("token_budget")
                 else:
                     stepping.append(traj)
-            start = time.perf_counter()
-            results = _step_all(pool, config.workers, abandoned, [t.env for t in stepping],
-                                [codec.decode_response(t.last.response_token_ids) for t in stepping],
-                                config.step_timeout_s)
-            env_seconds += time.perf_counter() - start
-            for traj, result in zip(stepping, results):
-                if not isinstance(result, Step):
-                    traj.end(result[0], reward=0.0, info={"error": result[1]})
-                    continue
-                traj.reward += result.reward
-                traj.info = result.info
-                if result.done:
-                    traj.end("done")
-                    continue
-                if turn + 1 == config.max_turns:
-                    traj.end("max_turns")
-                    continue
-                closed = bool(traj.last.response_token_ids) and traj.last.response_token_ids[-1] == codec.eos_id
-                obs = codec.encode_observation(result.observation or "", config.observation_role, after_eos=closed)
-                if traj.length + len(obs) >= budget:  # no room for the observation and one token of a turn
-                    traj.end("token_budget")
-                    continue
-                traj.append(obs, [0.0] * len(obs), 0, turn, [[tok] for tok in obs])
+        start = time.perf_counter()
+        results = _step_all(pool, config.workers, abandoned, [t.env for t in stepping],
+                            [codec.decode_response(t.last.response_token_ids) for t in stepping],
+                            config.step_timeout_s)
+        env_seconds += time.perf_counter() - start
+        following = []
+        for traj, result in zip(stepping, results):
+            if not isinstance(result, Step):
+                traj.end(result[0], reward=0.0, info={"error": result[1]})
+                continue
+            traj.reward += result.reward
+            traj.info = result.info
+            if result.done:
+                traj.end("done")
+                continue
+            if traj.num_turns == config.max_turns:
+                traj.end("max_turns")
+                continue
+            closed = bool(traj.last.response_token_ids) and traj.last.response_token_ids[-1] == codec.eos_id
+            obs = codec.encode_observation(result.observation or "", config.observation_role, after_eos=closed)
+            if traj.length + len(obs) >= budget:  # no room for the observation and one token of a turn
+                traj.end("token_budget")
+                continue
+            traj.append(obs, [0.0] * len(obs), 0, traj.num_turns - 1, [[tok] for tok in obs])
+            seed = turn_seed(sampling.seed, traj.num_turns)
+            following.append(request(traj.index, traj.prompt_ids + traj.ids, traj.num_turns,
+                                     None if seed is None else seed + traj.index))
+        return sorted(following, key=lambda r: r.key)
+
+    try:
+        engine.serve([request(p * n, ids, 0, sampling.seed_for(p)) for p, ids in enumerate(encoded)], respond)
     finally:
         start = time.perf_counter()
         for traj in trajs:
