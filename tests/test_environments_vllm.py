@@ -5,7 +5,8 @@ a string (the engine's ids up to the token completing it) as well as at EOS and 
 (32-token blocks), so later turns reuse the KV of the blocks earlier turns filled. The learner's logprob
 of every model token equals the engine's to the fp32 floor; observation tokens are masked; re-tokenizing the
 trajectories' text would have changed many of their tokens. On the same engine (max_model_len 64), trajectories
-whose prompts grow past it end 'token_budget' instead of failing in vLLM."""
+whose prompts grow past it end 'token_budget' instead of failing in vLLM. vLLM's continuous serve and waves of one
+generate call a turn give the same trajectories."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ from flax import nnx  # noqa: E402
 from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import load_hf_model  # noqa: E402
 from portable_rl.engines import create_engine  # noqa: E402
+from portable_rl.engines.base import EngineAdapter  # noqa: E402
 from portable_rl.environments import Environment, Step, register_environment  # noqa: E402
 from portable_rl.rl.codec import TextCodec  # noqa: E402
 from portable_rl.rl.config import EnvironmentConfig  # noqa: E402
@@ -47,6 +49,7 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
                        max_model_len=64) as engine:
         sampling = cfg.generation.sampling(seed=5, stop_token_ids=(codec.eos_id,))
         scored = generate_and_score(engine, codec, examples, lambda text, answer: 0.0, sampling, env)
+        in_waves = generate_and_score(Waves(engine), codec, examples, lambda text, answer: 0.0, sampling, env)
         assert engine.max_model_len == 64
         cache = engine._llm.llm_engine.vllm_config.cache_config
         assert cache.enable_prefix_caching and cache.block_size == 32
@@ -60,6 +63,12 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
         assert t.finish == "token_budget" and len(r.prompt_token_ids) + len(r.response_token_ids) <= 64
         assert t.num_turns > 4 and len(r.response_mask) == len(r.response_token_ids)
     assert [t.num_turns for t in scored.trajectories] == [4] * 4
+    # vLLM's continuous serve and waves of one generate call a turn: the same trajectories (a turn's seed is its
+    # trajectory's), the logprobs to the fp32 floor (the batches differ)
+    assert [(r.response_token_ids, r.response_mask, r.turn_index) for r in scored.rollouts] == \
+           [(r.response_token_ids, r.response_mask, r.turn_index) for r in in_waves.rollouts]
+    np.testing.assert_allclose(np.concatenate([r.response_logprobs for r in scored.rollouts]),
+                               np.concatenate([r.response_logprobs for r in in_waves.rollouts]), atol=FP32_FLOOR)
     stopped = 0
     for r in scored.rollouts:  # a turn that stopped at a string ends with the token completing it
         for k in range(4):
@@ -94,6 +103,19 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
 
 
 DIGITS = tuple("0123456789")
+
+
+class Waves:
+    """An engine served in waves (EngineAdapter's default serve: one generate call per turn), not by its own."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def serve(self, requests, respond):
+        EngineAdapter.serve(self.engine, requests, respond)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
 
 @register_environment("test_forever_digits")
