@@ -1,5 +1,6 @@
 """Engine interface pieces that need no engine: SamplingConfig, Rollout, the flat push contract, the probe."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from portable_rl.engines import EngineAdapter, Rollout, SamplingConfig
 from portable_rl.engines import base
-from portable_rl.engines.base import check_prompts, named_tensor_pairs
+from portable_rl.engines.base import Request, check_prompts, named_tensor_pairs, prompt_seeds
 from portable_rl.engines.probe import ProbeMismatchError, ProbeResult, check_probe, compare_logprobs, run_probe
 
 
@@ -184,3 +185,48 @@ def test_blockwise_start_checkpoint_is_written_once_and_atomically(tmp_path, mon
     (tmp_path / "bf16" / "config.json").touch()  # the source changed: a new copy under a new name
     os.utime(tmp_path / "bf16" / "config.json", ns=(1, 1))
     assert ensure_blockwise_fp8_checkpoint(src, str(root)) != first
+
+
+class _SeedEchoEngine(EngineAdapter):
+    """Sample j of prompt i: max_tokens copies of its seed (prompt_seeds + j; unseeded: j), logprob -0.5; records
+    its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_token_ids, sampling, seeds=None):
+        self.calls.append((len(prompt_token_ids), sampling.max_tokens, seeds))
+        first = prompt_seeds(sampling, seeds, len(prompt_token_ids))
+        return [Rollout(i, list(p), [(first[i] or 0) + j] * sampling.max_tokens, [-0.5] * sampling.max_tokens, "length")
+                for i, p in enumerate(prompt_token_ids) for j in range(sampling.n)]
+
+    def update_weights(self, named_tensors):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_default_serve_runs_waves_with_each_requests_own_seed_and_length():
+    """A wave is one generate call per distinct sampling (seeds and max_tokens aside): seeds that follow the batch
+    rule are not passed, others are; each request's rollouts are cut back to its own max_tokens ("length"); the
+    finished ones reach respond in request order, and what it returns is the next wave."""
+    engine, answered = _SeedEchoEngine(), []
+    two = SamplingConfig(n=2, seed=10, max_tokens=3)
+    first = [Request(0, [5], two), Request(2, [6], dataclasses.replace(two, seed=12, max_tokens=5)),
+             Request(4, [7], dataclasses.replace(two, n=1, seed=None))]
+
+    def respond(finished):
+        answered.append([(r.key, [x.response_token_ids for x in rollouts], [x.finish_reason for x in rollouts])
+                         for r, rollouts in finished])
+        if len(answered) > 1:
+            return []
+        return [Request(9, [8], SamplingConfig(n=1, seed=40, max_tokens=2)),
+                Request(1, [8], SamplingConfig(n=1, seed=31, max_tokens=2))]
+
+    engine.serve(first, respond)
+    assert engine.calls == [(2, 5, None), (1, 3, None), (2, 2, [40, 31])]
+    assert answered[0][0] == (0, [[10] * 3, [11] * 3], ["length", "length"])  # cut from 5 to its own 3
+    assert answered[0][1] == (2, [[12] * 5, [13] * 5], ["length", "length"])
+    assert answered[0][2][0] == 4 and len(answered[0][2][1][0]) == 3  # unseeded: its own call
+    assert answered[1] == [(9, [[40] * 2], ["length"]), (1, [[31] * 2], ["length"])]

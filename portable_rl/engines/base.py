@@ -38,9 +38,9 @@ depends on the last one's response (multi-turn environments, rl/turns.py):
 
 A `Request` carries its own `SamplingConfig` (its n samples get the seeds seed + j, i.e. `seed_for(0, j)`),
 so a request's rollouts do not depend on when it was sent. The default serves in waves: all the requests
-at hand in one `generate` call per distinct sampling (seeds and max_tokens aside: the wave takes the most
-max_tokens, and a caller cuts a request's longer rollouts back to its own; a seeded sample is the same
-prefix at any max_tokens), then `respond` with all of them. An engine with continuous batching (vLLM)
+at hand in one `generate` call per distinct sampling (seeds and max_tokens aside: the call takes the most
+max_tokens and cuts each request's rollouts back to its own, finish_reason "length"; a seeded sample is the
+same prefix at any max_tokens), then `respond` with all of them. An engine with continuous batching (vLLM)
 overrides it: a finished request goes to `respond` after the engine step that finished it, and the next
 requests join the running batch, so no request waits for the slowest of a wave.
 
@@ -233,6 +233,18 @@ def _batch_seeds(seeds: list[int | None], n: int) -> dict:
     return {"seeds": seeds}
 
 
+def _cut(rollout: Rollout, max_tokens: int) -> Rollout:
+    """`rollout` with at most `max_tokens` response tokens (cut: finish_reason "length")."""
+    if len(rollout.response_token_ids) <= max_tokens:
+        return rollout
+    routed = rollout.routed_experts
+    return dataclasses.replace(
+        rollout, response_token_ids=rollout.response_token_ids[:max_tokens],
+        response_logprobs=rollout.response_logprobs[:max_tokens], finish_reason="length",
+        sampling_support=None if rollout.sampling_support is None else rollout.sampling_support[:max_tokens],
+        routed_experts=None if routed is None else routed[:len(rollout.prompt_token_ids) + max_tokens - 1])
+
+
 def prompt_seeds(sampling: SamplingConfig, seeds: Sequence[int] | None, num_prompts: int) -> list[int | None]:
     """Per prompt the seed of its sample 0: `seeds` (checked) or the batch rule `sampling.seed_for(i)`."""
     if seeds is None:
@@ -316,7 +328,8 @@ class EngineAdapter(abc.ABC):
                     [r.prompt_token_ids for r in group],
                     dataclasses.replace(first, max_tokens=max(r.sampling.max_tokens for r in group)),
                     **_batch_seeds([r.sampling.seed for r in group], first.n))
-                finished += [(r, rollouts[i * first.n:(i + 1) * first.n]) for i, r in enumerate(group)]
+                finished += [(r, [_cut(x, r.sampling.max_tokens) for x in rollouts[i * first.n:(i + 1) * first.n]])
+                             for i, r in enumerate(group)]
             order = {id(r): i for i, r in enumerate(pending)}
             finished.sort(key=lambda pair: order[id(pair[0])])
             pending = list(respond(finished))
