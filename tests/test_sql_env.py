@@ -3,6 +3,7 @@
 import concurrent.futures
 import hashlib
 import os
+import re
 import sqlite3
 import time
 
@@ -15,7 +16,7 @@ from portable_rl.environments.sql import SqlEnvironment
 from portable_rl.errors import ConfigError
 from portable_rl.tasks.base import Example
 from portable_rl.tasks.sql_data import (FAMILIES, GENERATOR_VERSION, SqlDataError, SqlTask, SqlTraceTask,
-                                        SkyrlSqlTask, database_path, read_skyrl_sql, render, tool_trace)
+                                        SkyrlSqlTask, database_path, read_skyrl_sql, render, spelling, tool_trace)
 
 TIMEOUT_S = 1.0
 
@@ -306,6 +307,45 @@ def test_tool_traces_fit_short_turn_limits(task):
     assert all(e.answer.startswith("<solution>") and "<sql>" not in e.answer for e in no_tool)
 
 
+def test_spelled_databases_hold_values_only_a_query_shows(task):
+    """spelled_values: each database stores a question's named values its own way (PARIS, PAR or Paris#NN, per
+    database and column), in files of their own; the gold query uses that spelling and scores 1, the question's
+    own word finds nothing, and the lookup the traces make shows the stored spelling."""
+    spelled = SqlTask(cache_dir=task.cache_dir, num_eval=10, spelled_values=True)
+    assert database_path(task.cache_dir, "shop", 0, spelled=True).endswith(f"shop_0-v{GENERATOR_VERSION}-spelled.sqlite")
+    assert _sha256(database_path(task.cache_dir, "shop", 0)) != _sha256(database_path(task.cache_dir, "shop", 0, True))
+    kinds = {("upper" if spell("Paris") == "PARIS" else "code" if spell("Paris") == "PAR" else "tag")
+             for family in FAMILIES for instance in range(4) for spell in spelling(family, instance).values()}
+    assert kinds == {"upper", "code", "tag"}
+    examples = [e for e in spelled.train_batch(0, 0, 64) if e.metadata["lookups"]]
+    looked_up = 0
+    for example in examples:
+        family, instance = example.metadata["db_id"].split("_")
+        env = SqlEnvironment(max_rows=20)
+        env.reset(example)
+        observation = env.step(f"<sql>{example.metadata['lookups'][0]}</sql>").observation
+        stored = [value for value in re.findall(r"'([^']*)'", example.answer)]
+        assert stored
+        if not all(value in observation for value in stored):  # e.g. "how many customers live in X": none do
+            continue
+        looked_up += 1
+        question = example.prompt.split("Question:")[1]
+        for value in stored:  # the question names the value as the vocabulary spells it, not as it is stored
+            word, = {w for w in re.findall(r"[A-Za-z]+", question)
+                     for spell in spelling(family, int(instance)).values() if spell(w) == value}
+            assert f"'{word}'" not in example.answer
+            plain = example.answer.replace(f"'{value}'", f"'{word}'")
+            assert env.step(f"<solution>{plain}</solution>").reward == 0.0  # the question's own word finds nothing
+            env.reset(example)
+        assert env.step(f"<solution>{example.answer}</solution>").reward == 1.0
+        env.close()
+    assert looked_up >= 16
+    trace = tool_trace(examples[0], np.random.default_rng(0), max_turns=4, max_rows=20)
+    assert trace[0]["content"] == f"<sql>{examples[0].metadata['lookups'][0]}</sql>"
+    assert trace[-1]["content"] == f"<solution>{examples[0].answer}</solution>"
+    assert [t["role"] for t in tool_trace(examples[0], np.random.default_rng(0), max_turns=1)] == ["assistant"]
+
+
 # ---- SkyRL-SQL's published data ------------------------------------------------------------------------------------
 
 def _skyrl_rows(db_ids, newfmt=True):
@@ -466,7 +506,7 @@ def test_sql_trajectories_through_the_driver_on_a_real_database(task, tmp_path):
         def close(self):
             pass
 
-    summary, records = evaluate_examples(Scripted(), codec, examples, None, SamplingConfig(n=2, seed=1, max_tokens=8),
+    summary, records = evaluate_examples(Scripted(), codec, examples, None, SamplingConfig(n=2, seed=1, max_tokens=256),
                                          ks=(1, 2), environment=EnvironmentConfig(name="sql", max_turns=3))
     assert summary["accuracy"] == 0.5 and summary["pass@2"] == 1.0 and summary["mean_turns"] == 2.0
     assert sorted(r["reward"] for r in records) == [0.0] * 3 + [1.0] * 3 and {r["finish"] for r in records} == {"done"}

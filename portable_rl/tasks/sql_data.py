@@ -12,6 +12,12 @@ a batch as in `GeneratedTask`, and the held-out prompts never appear in training
 distinct values, so an ORDER BY answer has one right order; a question whose gold result is empty or all NULL is
 redrawn (any query returning nothing would match it).
 
+**Values spelled by the database** (`SqlTask(spelled_values=True)`): each database stores the names its questions
+use (cities, categories, departments, countries) its own way, one of `PARIS`, `PAR` or `Paris#37` per database and
+column (the tag drawn per database), written to files of their own (`...-spelled.sqlite`). A question still says
+"Paris"; its gold query uses the database's spelling, which only a query shows (`SELECT DISTINCT city FROM
+customers`): questions the tool is needed for.
+
 **SkyRL-SQL-653** (`read_skyrl_sql`, `SkyrlSqlTask`): parquet rows with `prompt` (chat messages: system
 instructions, then the schema and question as the user turn), `db_id`, `data` (which corpus: synsql, spider,
 bird), the gold SQL in `reward_spec.ground_truth` (the "newfmt" files; older files: `reward_model.ground_truth`)
@@ -20,7 +26,8 @@ reads: synsql → `SynSQL-2.5M/databases`, spider → `spider/database`, bird �
 
 **Tool traces** (`tool_trace`, `SqlTraceTask`): question → `<sql>gold, or a peek at a table</sql>` → the real
 observation from the environment → `<solution>gold</solution>`, for a supervised warm start of a policy too
-small to write SQL zero-shot.
+small to write SQL zero-shot. A spelled question's trace first looks its values up (`SELECT DISTINCT column FROM
+table`) instead of peeking.
 """
 
 from __future__ import annotations
@@ -85,13 +92,22 @@ class Family(NamedTuple):
     fill: Callable[[np.random.Generator], dict[str, list[tuple]]]
     values: dict[str, Callable[[np.random.Generator], object]]
     templates: list[Template]
+    # the fields a database may spell its own way (`spelled_values`): field → (table, column, column index)
+    spelled: dict[str, tuple[str, str, int]]
 
 
-def render(family: Family, template: Template, rng: np.random.Generator) -> tuple[str, str]:
-    """(question, gold SQL) with the template's fields drawn in the order the question names them."""
-    fields = dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template.question) if name)
-    values = {name: family.values[name](rng) for name in fields}
-    return template.question.format(**values), template.sql.format(**values)
+def fields_of(template: Template) -> list[str]:
+    """The template's fields in the order its question names them."""
+    return list(dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template.question) if name))
+
+
+def render(family: Family, template: Template, rng: np.random.Generator,
+           spelling: dict[str, Callable[[str], str]] | None = None) -> tuple[str, str]:
+    """(question, gold SQL) with the template's fields drawn in the order the question names them; `spelling`:
+    per spelled field, how the database stores a value (the gold query uses it, the question does not)."""
+    values = {name: family.values[name](rng) for name in fields_of(template)}
+    stored = {name: (spelling or {}).get(name, lambda v: v)(value) for name, value in values.items()}
+    return template.question.format(**values), template.sql.format(**stored)
 
 
 _CATEGORIES = ["books", "garden", "games", "kitchen", "music", "sports", "toys"]
@@ -116,6 +132,7 @@ CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price R
 CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id),
   product_id INTEGER REFERENCES products(id), quantity INTEGER, order_date TEXT);""",
     fill=_fill_shop,
+    spelled={"city": ("customers", "city", 2), "category": ("products", "category", 2)},
     values={"city": lambda rng: _pick(rng, _CITIES), "category": lambda rng: _pick(rng, _CATEGORIES),
             "age": lambda rng: int(rng.integers(25, 70)), "k": lambda rng: int(rng.integers(2, 9)),
             "n": lambda rng: int(rng.integers(2, 6))},
@@ -164,6 +181,7 @@ CREATE TABLE courses (id INTEGER PRIMARY KEY, title TEXT, department TEXT, credi
 CREATE TABLE enrollments (id INTEGER PRIMARY KEY, student_id INTEGER REFERENCES students(id),
   course_id INTEGER REFERENCES courses(id), score INTEGER);""",
     fill=_fill_school,
+    spelled={"city": ("students", "city", 3), "department": ("courses", "department", 2)},
     values={"year": lambda rng: int(rng.integers(1, 5)), "department": lambda rng: _pick(rng, _DEPARTMENTS),
             "city": lambda rng: _pick(rng, _CITIES), "course": lambda rng: _pick(rng, _TOPICS),
             "k": lambda rng: int(rng.integers(2, 9)), "n": lambda rng: int(rng.integers(8, 14))},
@@ -215,6 +233,7 @@ CREATE TABLE airlines (id INTEGER PRIMARY KEY, name TEXT, country TEXT);
 CREATE TABLE flights (id INTEGER PRIMARY KEY, airline_id INTEGER REFERENCES airlines(id),
   origin TEXT REFERENCES airports(code), destination TEXT REFERENCES airports(code), distance INTEGER, price REAL);""",
     fill=_fill_flights,
+    spelled={"city": ("airports", "city", 1), "country": ("airlines", "country", 2)},
     values={"airport": lambda rng: _pick(rng, _AIRPORTS)[0], "city": lambda rng: _pick(rng, _AIRPORTS)[1],
             "country": lambda rng: _pick(rng, _AIRLINES)[1], "airline": lambda rng: _pick(rng, _AIRLINES)[0],
             "km": lambda rng: int(rng.integers(2000, 10000)), "k": lambda rng: int(rng.integers(2, 9)),
@@ -249,15 +268,30 @@ FAMILIES: dict[str, Family] = {"shop": _SHOP, "school": _SCHOOL, "flights": _FLI
 LEVELS = (1, 2, 3, 4)
 
 
-def database_path(cache_dir: str, family: str, instance: int) -> str:
-    """The cached SQLite file of (family, instance), written on first use; its content depends only on them and
-    GENERATOR_VERSION."""
+def spelling(family: str, instance: int) -> dict[str, Callable[[str], str]]:
+    """How database (family, instance) spells each of its family's spelled fields (module doc): PARIS, PAR
+    (the first three letters; unique within every vocabulary) or Paris#<tag>, drawn per database and field."""
+    rng = np.random.default_rng([GENERATOR_VERSION, list(FAMILIES).index(family), instance, 7])
+    spellings = {}
+    for field in FAMILIES[family].spelled:
+        kind, tag = int(rng.integers(3)), int(rng.integers(10, 100))
+        spellings[field] = (str.upper, lambda v: v[:3].upper(), lambda v, tag=tag: f"{v}#{tag}")[kind]
+    return spellings
+
+
+def database_path(cache_dir: str, family: str, instance: int, spelled: bool = False) -> str:
+    """The cached SQLite file of (family, instance), written on first use; its content depends only on them,
+    `spelled` (the values spelled the database's way: `spelling`) and GENERATOR_VERSION."""
     directory = Path(os.path.expanduser(cache_dir))
-    path = directory / f"{family}_{instance}-v{GENERATOR_VERSION}.sqlite"
+    path = directory / f"{family}_{instance}-v{GENERATOR_VERSION}{'-spelled' if spelled else ''}.sqlite"
     if path.exists():
         return str(path)
     directory.mkdir(parents=True, exist_ok=True)
     rows = FAMILIES[family].fill(np.random.default_rng([GENERATOR_VERSION, list(FAMILIES).index(family), instance]))
+    if spelled:
+        for field, spell in spelling(family, instance).items():
+            table, _, column = FAMILIES[family].spelled[field]
+            rows[table] = [row[:column] + (spell(row[column]),) + row[column + 1:] for row in rows[table]]
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".sqlite.tmp")
     os.close(fd)
     try:
@@ -300,6 +334,8 @@ class SqlTask(GeneratedTask):
         group by, 4 having / order by + limit.
       num_databases: random databases per family; a question's database is drawn uniformly (more databases:
         more distinct questions, the same question with other answers).
+      spelled_values: each database spells the names its questions use its own way (module doc): the gold
+        query needs the database's spelling, which only a query shows.
       cache_dir: where the database files are written once and reused.
       seed: the seed of the held-out set and of every training batch.
       num_eval: held-out questions; training never draws their prompts.
@@ -308,6 +344,7 @@ class SqlTask(GeneratedTask):
     families: tuple[str, ...] = ("shop", "school", "flights")
     levels: tuple[int, ...] = LEVELS
     num_databases: int = 4
+    spelled_values: bool = False
     cache_dir: str = DEFAULT_CACHE_DIR
     seed: int = 0
     num_eval: int = 100
@@ -325,7 +362,9 @@ class SqlTask(GeneratedTask):
             raise ConfigError(f"levels={self.levels!r} must be a non-empty subset of {LEVELS}")
         if self.num_databases < 1:
             raise ConfigError(f"num_databases={self.num_databases} must be >= 1")
-        self._databases = {(f, i): database_path(self.cache_dir, f, i)
+        self._databases = {(f, i): database_path(self.cache_dir, f, i, self.spelled_values)
+                           for f in self.families for i in range(self.num_databases)}
+        self._spellings = {(f, i): spelling(f, i) if self.spelled_values else {}
                            for f in self.families for i in range(self.num_databases)}
         self._templates = [(f, t) for f in self.families for t in FAMILIES[f].templates if t.level in self.levels]
         # The question space is small for narrow settings (one family, one level): a held-out set that covered it
@@ -341,14 +380,18 @@ class SqlTask(GeneratedTask):
         while True:
             family, template = self._templates[int(rng.integers(len(self._templates)))]
             instance = int(rng.integers(self.num_databases))
-            question, gold = render(FAMILIES[family], template, rng)
+            question, gold = render(FAMILIES[family], template, rng, self._spellings[(family, instance)])
             if _has_answer(self._databases[(family, instance)], gold):
                 break
         db_id = f"{family}_{instance}"
+        # the lookups that show how this database spells the question's values (the tool traces make them)
+        lookups = [f"SELECT DISTINCT {column} FROM {table}" for field in fields_of(template)
+                   if field in self._spellings[(family, instance)]
+                   for table, column, _ in [FAMILIES[family].spelled[field]]]
         # The db_id is part of the prompt so the same question on two databases is two distinct prompts.
         return Example(prompt=generated_prompt(FAMILIES[family].schema, f"{question} (database {db_id})"), answer=gold,
                        metadata={"db_id": db_id, "db_path": self._databases[(family, instance)],
-                                 "level": template.level})
+                                 "level": template.level, "lookups": lookups})
 
 
 # ---- SkyRL-SQL-653 ------------------------------------------------------------------------------------------
@@ -448,10 +491,14 @@ def tool_trace(example: Example, rng: np.random.Generator, peek_probability: flo
     `peek_probability` first a look at its first table), user observation (the real one, from a `SqlEnvironment`
     of `max_turns` turns and `environment_kwargs`, so the reminders and tables match training), ..., assistant
     `<solution>gold</solution>`. The solution needs the last turn, so `max_turns` 2 never peeks and `max_turns` 1
-    answers at once without the tool (the no-tool ablation's warm start)."""
+    answers at once without the tool (the no-tool ablation's warm start). A spelled question (`metadata["lookups"]`)
+    looks its values up instead of peeking, before the gold query when the turns leave room for it."""
     peek = rng.random() < peek_probability  # drawn whatever max_turns is: the same traces for every max_turns >= 3
     queries = [] if max_turns == 1 else [example.answer]
-    if peek and max_turns >= 3:
+    lookups = example.metadata.get("lookups", [])
+    if lookups:  # a spelled question: look the values up first, as many queries as the turns leave room for
+        queries = (lookups + queries)[:max_turns - 1]
+    elif peek and max_turns >= 3:
         table = example.answer.split(" FROM ", 1)[1].split()[0]
         queries.insert(0, f"SELECT * FROM {table} LIMIT 3")
     env = SqlEnvironment(max_turns=max_turns, **environment_kwargs)
