@@ -271,16 +271,18 @@ def test_moment1_dtype_rejects_unknown_dtypes():
         make_optimizer(learning_rate=1e-3, moment1_dtype="bf16")
 
 
-@pytest.mark.parametrize("master, moment1_dtype", [(False, None), (True, None), (True, "bfloat16")])
-def test_update_by_layer_equals_the_whole_tree_update(master, moment1_dtype):
+@pytest.mark.parametrize("param_dtype, master, moment1_dtype", [(jnp.float32, False, None), (jnp.bfloat16, True, None),
+                                                                (jnp.bfloat16, True, "bfloat16"),
+                                                                (jnp.bfloat16, False, None)])
+def test_update_by_layer_equals_the_whole_tree_update(param_dtype, master, moment1_dtype):
     """MemoryConfig.update_by_layer: the per-layer update (one layer's temporaries at a time) is the whole
-    tree's, to rounding, over steps that clip (norm above max_grad_norm) and steps that do not."""
+    tree's, to rounding, over steps that clip (norm above max_grad_norm) and steps that do not; the reported
+    grad_norm is the f32 gradient's in both, bf16 params without a master copy included."""
     from portable_rl.learner_jax.step import make_apply_step
     config = dataclasses.replace(TINY, num_hidden_layers=2)
 
     def build():
-        dtype = jnp.bfloat16 if master else jnp.float32
-        model = Transformer(config, param_dtype=dtype, rngs=nnx.Rngs(0))
+        model = Transformer(config, param_dtype=param_dtype, rngs=nnx.Rngs(0))
         tx = make_optimizer(learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0,
                             moment1_dtype=moment1_dtype)
         return model, nnx.Optimizer(model, with_master_weights(tx) if master else tx, wrt=nnx.Param)

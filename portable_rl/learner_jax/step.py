@@ -146,7 +146,9 @@ class LayerwiseApplyStep:
     (docs/experiments/moe.md). XLA may order one program's independent ops so (and XLA:CPU drops optimization
     barriers), so the order is fixed here, between calls:
 
-        norm      = ‖grads‖ (f32)                              one read-only call over all the grads
+        norm      = ‖grads‖ (f32)                              one read-only call over all the grads (bf16 params
+                                                               without master weights: also ‖bf16(grads)‖, what the
+                                                               optimizer's clip sees; grad_norm reports the f32 one)
         per group = clip(grads_g, norm) → optimizer.tx.update(grads_g, state_g, params_g) → params_g, state_g
                     one call per group, its params and optimizer leaves donated: written in place
 
@@ -160,6 +162,7 @@ class LayerwiseApplyStep:
 
     def __init__(self):
         self.norm = jax.jit(lambda grads: optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)))
+        self.clip_norm = jax.jit(optax.tree.norm)  # as optax.clip_by_global_norm computes it (bf16 grads: bf16)
         self._updates = {}  # optimizer.tx -> its jitted group update
         self._plans = {}    # (params treedef, optimizer state treedef) -> `plan`'s calls
 
@@ -211,20 +214,25 @@ class LayerwiseApplyStep:
         return calls
 
     def pure_arrays(self, model, optimizer: nnx.Optimizer, grads):
-        """(params, optimizer state, grads) as pure trees, the grads as `make_apply_step()` hands them on."""
+        """(params, optimizer state, grads, the grads as `make_apply_step()` hands them to the optimizer) as
+        pure trees: the accumulated grads, then cast to the params' dtype unless master weights take them."""
         opt_state = nnx.as_pure(optimizer.opt_state)
         if current_learning_rate(opt_state) is None:
             raise ConfigError("a per-layer optimizer update (learner_jax.MemoryConfig.update_by_layer) needs the "
                               "optimizer of learner_jax.make_optimizer; set update_by_layer=False for another one")
         params = nnx.as_pure(nnx.state(model, nnx.Param))
         grads = nnx.as_pure(nnx.state(grads, nnx.Param))
-        if not isinstance(optimizer.opt_state, MasterWeightsState):  # what a one-call step hands the optimizer
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        return params, opt_state, grads
+        handed = grads
+        if not isinstance(optimizer.opt_state, MasterWeightsState) and any(
+                g.dtype != p.dtype for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params))):
+            handed = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        return params, opt_state, grads, handed
 
     def __call__(self, model, optimizer: nnx.Optimizer, grads) -> dict:
-        params, opt_state, grads = self.pure_arrays(model, optimizer, grads)
-        norm = self.norm(grads)
+        params, opt_state, accumulated, grads = self.pure_arrays(model, optimizer, grads)
+        grad_norm = self.norm(accumulated)  # reported: the f32 sum's norm, as the whole-tree step reports it
+        # the clip's: of the grads the optimizer is handed, as its clip computes it (differs for bf16 params alone)
+        norm = grad_norm if grads is accumulated else self.clip_norm(grads)
         fn = self.group_update(optimizer.tx)
         p, params_def = jax.tree.flatten(params)
         s, state_def = jax.tree.flatten(opt_state)
@@ -243,7 +251,7 @@ class LayerwiseApplyStep:
         nnx.update(model, jax.tree.unflatten(params_def, p))
         nnx.update(optimizer.opt_state, nnx.state(jax.tree.unflatten(state_def, s)))
         optimizer.step[...] += 1
-        metrics = {"grad_norm": norm}
+        metrics = {"grad_norm": grad_norm}
         lr = current_learning_rate(optimizer.opt_state)
         if lr is not None:
             metrics["learning_rate"] = lr

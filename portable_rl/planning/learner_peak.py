@@ -188,7 +188,7 @@ def apply_stats(apply_step, model, optimizer, grad_sum, persistent: int) -> list
         a = compile_stats("apply_step", apply_step, model, optimizer, grad_sum)
         a["persistent_argument_bytes"] = persistent
         return [a]
-    params, opt_state, grads = apply_step.pure_arrays(model, optimizer, grad_sum)
+    params, opt_state, _, grads = apply_step.pure_arrays(model, optimizer, grad_sum)
     norm = compile_stats("apply_step/norm", apply_step.norm, grads)
     norm["persistent_argument_bytes"] = tree_device_bytes(grads)
     out, seen = [norm], set()
