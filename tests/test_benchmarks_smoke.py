@@ -5,6 +5,12 @@ learner_step and the others compile JAX steps or start vLLM engines in fresh int
 minutes on a small CPU), hence `slow`; the run-dir breakdown is instant. The GPU check's dry run and the
 colocation check are tests/test_benchmarks_gpu_check.py (a file of their own, so the two test workers share
 the benchmarks' time).
+
+The scripts that compile JAX programs (learner_step, learner_memory, learner_throughput, routing_replay) run here
+without LLVM's optimizations (`UNOPTIMIZED`, as conftest.py does in process and the planner's compile process
+does): tiny programs compiled once and run once or twice, where compiling dominates; the arithmetic and buffer
+assignment (every byte learner_memory reports) are the same, only the machine code is less optimized. No speed is
+asserted here.
 """
 
 import importlib
@@ -20,6 +26,8 @@ from processes import run_from_root as run
 
 import benchmarks
 import experiments
+
+UNOPTIMIZED = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 @pytest.mark.parametrize("package", [benchmarks, experiments], ids=lambda p: p.__name__)
@@ -60,7 +68,8 @@ def test_docs_name_scripts_that_are_there():
 @pytest.mark.slow
 def test_learner_step_tiny_same_work_and_ratio(tmp_path):
     out = run([sys.executable, "-m", "benchmarks.learner_step", "--sizes", "tiny", "--dtypes", "fp32",
-               "--reps", "1", "--rows", "2", "--seq", "16", "--json", "--workdir", str(tmp_path)], timeout=600)
+               "--reps", "1", "--rows", "2", "--seq", "16", "--json", "--workdir", str(tmp_path)],
+              timeout=600, **UNOPTIMIZED)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["torch_threads"] == os.cpu_count()
     (r,) = result["runs"]
@@ -173,7 +182,7 @@ def test_rollout_decode_writes_every_call(tmp_path):
 def test_learner_memory_tiny_reports_old_and_new_peak():
     out = run([sys.executable, "-m", "benchmarks.learner_memory", "--model", "tiny", "--tokens_per_device", "256",
                "--fsdp", "2", "--path", "both", "--chunk_tokens", "64", "--micro_tokens", "128", "--json"],
-              timeout=600)
+              timeout=600, **UNOPTIMIZED)
     rows = [json.loads(line) for line in out.strip().splitlines()]
     assert [r["path"] for r in rows] == ["old", "new"]
     # tiny: V=256, D=64, 2 layers of q (64x64), k, v (64x32), o (64x64), gate/up/down (64x128), norms
@@ -203,7 +212,7 @@ def test_learner_throughput_tiny_same_update_on_all_sides(tmp_path):
     out = run([sys.executable, "-m", "benchmarks.learner_throughput", "--layers", "1", "--hidden", "32",
                "--intermediate", "64", "--heads", "2", "--vocab", "128", "--sequences", "4",
                "--prompt_tokens", "8", "--median_response", "24", "--max_response", "64", "--dtypes", "fp32",
-               "--reps", "1", "--chunk_tokens", "32", "--json", "--workdir", str(tmp_path)], timeout=900)
+               "--reps", "1", "--chunk_tokens", "32", "--json", "--workdir", str(tmp_path)], timeout=900, **UNOPTIMIZED)
     r = json.loads(out.strip().splitlines()[-1])
     lengths = r["response_lengths"]
     assert len(lengths) == 4 and all(16 <= n <= 64 for n in lengths)
@@ -226,7 +235,7 @@ def test_routing_replay_tiny_times_every_arm_on_the_same_routed_batch(tmp_path):
     out = tmp_path / "replay_cost.json"
     run([sys.executable, "-m", "benchmarks.routing_replay", "--size", "tiny", "--experts", "4", "--groups", "2",
          "--samples", "2", "--prompt-tokens", "8", "--response-tokens", "8", "--reps", "1", "--json", str(out)],
-        timeout=600)
+        timeout=600, **UNOPTIMIZED)
     result = json.loads(out.read_text())
     assert set(result["seconds"]) == {"own", "replay", "compare"} and all(v > 0 for v in result["seconds"].values())
     assert result["batch_shape"][0] == 4 and result["batch_shape"][-1] == 2  # 4 sequences, top-2 routing
