@@ -189,7 +189,7 @@ def main(argv=None):
               "cpu": platform.processor() or platform.machine(), "load_average_start": os.getloadavg(),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "engines": {}}
     blocks = "".join(f"_block{b}" for b in args.block_sizes or [])
-    name = f"environments_cost_{datetime.date.today().isoformat()}{blocks}.json"
+    name = f"environments_cost_{datetime.date.today().isoformat()}{blocks}_{'_'.join(args.serving)}.json"
     engines = {}
     try:
         for block in args.block_sizes or [None]:
