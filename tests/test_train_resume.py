@@ -39,17 +39,25 @@ class Interrupted(RuntimeError):
 
 
 class SharedEngine:
-    """Delegates to one real engine; `close` is a no-op; optionally fails at the k-th generate call."""
+    """Delegates to one real engine; `close` is a no-op; optionally fails at the k-th call (a `generate`, e.g.
+    the probe's, or a `serve`, one batch of rollouts)."""
 
     def __init__(self, engine):
         self.engine, self.fail_at, self.calls = engine, None, 0
         self.quantization = engine.quantization
 
-    def generate(self, prompts, sampling):
+    def _count(self):
         self.calls += 1
         if self.fail_at is not None and self.calls == self.fail_at:
             raise Interrupted("simulated crash")
-        return self.engine.generate(prompts, sampling)
+
+    def generate(self, prompts, sampling, **seeds):
+        self._count()
+        return self.engine.generate(prompts, sampling, **seeds)
+
+    def serve(self, requests, respond):
+        self._count()
+        self.engine.serve(requests, respond)
 
     def update_weights(self, pairs):
         self.engine.update_weights(pairs)
@@ -98,7 +106,7 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(setup):
     assert [r["step"] for r in straight] == list(range(STEPS + 1))
 
     # Crash at step 4's first generate call, after the step-2 checkpoint and the step-3 metrics row.
-    shared.fail_at = _first_generate_call_of_step(straight, 4)
+    shared.fail_at = _first_engine_call_of_step(straight, 4)
     with pytest.raises(Interrupted):
         _run(root, "resumed", task, model_path, shared)
     partial = read_metrics(root / "resumed" / "metrics.jsonl")
@@ -121,8 +129,8 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(setup):
     assert (root / "resumed" / "accuracy.png").exists()
 
 
-def _first_generate_call_of_step(rows, step):
-    """generate calls before step `step`: step-0 eval, then per step: its draws, probe, eval if due."""
+def _first_engine_call_of_step(rows, step):
+    """engine calls (generate or serve) before step `step`: step-0 eval, then per step: its draws, probe, eval if due."""
     calls = 1  # step-0 held-out eval
     for r in rows[1:step]:
         calls += int(r["dynamic_sampling/gen_batches"]) + 1 + (1 if r.get("accuracy/heldout") is not None else 0)
