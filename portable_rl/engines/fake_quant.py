@@ -68,7 +68,7 @@ class FakeQuantEngine(EngineAdapter):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  seeds: Sequence[int] | None = None) -> list[Rollout]:
-        return self.inner.generate(prompt_token_ids, sampling, **({} if seeds is None else {"seeds": seeds}))
+        return self.inner.generate(prompt_token_ids, sampling, seeds=seeds)
 
     def serve(self, requests, respond) -> None:
         self.inner.serve(requests, respond)  # the inner engine's batching (vLLM: continuous)

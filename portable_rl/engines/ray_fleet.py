@@ -113,7 +113,7 @@ class EngineHost:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
                  ) -> list[Rollout]:
-        return self.engine.generate(prompts, sampling, **({} if seeds is None else {"seeds": seeds}))
+        return self.engine.generate(prompts, sampling, seeds=seeds)
 
     def update_weights(self, bucket_refs: list) -> int:
         import ray
@@ -282,7 +282,7 @@ class RayEngineFleet(EngineAdapter):
         bounds = shard_bounds(len(prompts), len(actors))
         calls = []
         for i, (start, end) in enumerate(bounds):
-            args = (prompts[start:end], shard_sampling(sampling, start)) + (() if seeds is None else (seeds[start:end],))
+            args = (prompts[start:end], shard_sampling(sampling, start), None if seeds is None else seeds[start:end])
             calls.append((i, actors[i].generate.remote(*args), "generate", args))
         rollouts = []
         for (start, _), shard in zip(bounds, self._gather(calls)):
