@@ -13,9 +13,9 @@ empty prefix cache (as after a training step's weight push):
 
     multi    the rollout phase of a training step (`generate_and_score`, the driver of rl/turns.py) on the
              questions of step r, served `continuous` (vLLM's serve: a turn joins the running batch when the
-             last one's environment step is done) or in `waves` (the default EngineAdapter.serve: one generate
-             call per turn) → its wall time W, the engine's time G (serve's wall time less the time spent
-             answering finished turns), the environments' time E (`time/env`) and the model tokens
+             last one's environment step is done) or in `waves` (`engines.base.in_waves`, the default
+             serving: one generate call per turn) → its wall time W, the engine's time G (serve's wall time
+             less the time spent answering finished turns), the environments' time E (`time/env`) and the model tokens
              N = Σ_t N_t (response_mask = 1)
     single   ONE generate call of the same prompts, trajectory t's forced to its N_t tokens (vLLM ignore_eos):
              a single-turn step of the same tokens → its wall time S
@@ -53,14 +53,14 @@ from benchmarks.bench_common import write_json
 
 
 class TimedEngine:
-    """The engine serving `serving` ("continuous": its own serve; "waves": EngineAdapter.serve), with the
+    """The engine serving `serving` ("continuous": its own serve; "waves": `in_waves`), with the
     engine's time in `seconds` (serve's wall time less its respond calls) and the respond calls in `calls`."""
 
     def __init__(self, engine, serving: str):
         self.engine, self.serving, self.seconds, self.calls = engine, serving, 0.0, 0
 
     def serve(self, requests, respond):
-        from portable_rl.engines.base import EngineAdapter
+        from portable_rl.engines.base import drive, in_waves
 
         answering = 0.0
 
@@ -77,7 +77,7 @@ class TimedEngine:
         if self.serving == "continuous":
             self.engine.serve(requests, timed)
         else:
-            EngineAdapter.serve(self.engine, requests, timed)
+            drive(in_waves(self.engine, requests), timed)
         self.seconds += time.perf_counter() - start - answering
 
     def __getattr__(self, name):  # max_model_len, quantization, ...

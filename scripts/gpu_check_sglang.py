@@ -8,6 +8,8 @@ enable_deterministic_inference=True, so every "same rollouts" comparison below c
   1. bf16 logprobs equal log_softmax(logits/T) of the same checkpoint in transformers (fp32) within 0.1 nats;
   2. seeds: the same seed twice gives the same rollouts, another seed different ones, and a shard of the batch
      sent with seed_for(start) equals that part of the whole batch (the resume and fleet guarantees);
+     serving: a batch served gives generate's tokens, short requests are answered before a long one, and a
+     respond that raises leaves nothing running;
   3. an update outside begin/end_weight_update answers success=False and changes nothing (0.5.23 contract);
   4. after `update_weights` with perturbed weights, generation matches a fresh engine on the saved weights;
   5. fp8_mode="flash_rl": mismatch vs the bf16 reference is > 0 and bounded; pushing the same weights twice
@@ -72,6 +74,48 @@ def max_diff(a, b):
     if tokens(a) != tokens(b):
         return float("inf")
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra.response_logprobs, rb.response_logprobs))
+
+
+def check_serving(engine, rollouts):
+    """2b. serving (async_generate tasks on Engine.loop): a batch served gives generate's tokens; a 2-token
+    request's follow-ups are answered before a 64-token request sent with it; a respond that raises leaves the
+    engine generating as before (the cancelled tasks were aborted)."""
+    import dataclasses
+
+    from portable_rl.engines.base import Request
+
+    base = sampling()
+    answered = []
+
+    def respond(finished):
+        answered.extend(finished)
+        return []
+
+    engine.serve([Request(i, p, dataclasses.replace(base, seed=base.seed_for(i))) for i, p in enumerate(PROMPTS)],
+                 respond)
+    served = [r for _, rs in sorted(answered, key=lambda pair: pair[0].key) for r in rs]
+    check("serving_batch_equals_generate", tokens(served) == tokens(rollouts),
+          f"max |Δ logprob| {max_diff(served, rollouts):.2e}")
+    short = dataclasses.replace(base, n=1, max_tokens=2, min_tokens=2, seed=7)
+    long = dataclasses.replace(base, n=1, max_tokens=64, min_tokens=64, seed=8)
+    order = []
+
+    def follow(finished):
+        order.extend(request.key for request, _ in finished)
+        return [Request(r.key + 1, r.prompt_token_ids + rs[0].response_token_ids, short) for r, rs in finished
+                if r.key < 3]
+
+    engine.serve([Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)], follow)
+    check("serving_answers_short_requests_first", order == [0, 1, 2, 3, 100], order)
+
+    def failing(finished):
+        raise RuntimeError("environment bug")
+
+    try:
+        engine.serve([Request(0, PROMPTS[0], short), Request(1, PROMPTS[1], long)], failing)
+    except RuntimeError:
+        pass
+    check("serving_closed_leaves_nothing", max_diff(engine.generate(PROMPTS, base), rollouts) == 0.0)
 
 
 # ------------------------------------------------------------------------------------- child processes
@@ -175,6 +219,7 @@ def main():
     shard = engine.generate(PROMPTS[1:], sampling(seed=sampling().seed_for(1)))
     check("seeds_honoured", tokens(again) == tokens(rollouts) and tokens(other) != tokens(rollouts)
           and tokens(shard) == tokens(rollouts[2:]), f"max |Δ| same seed {max_diff(again, rollouts):.2e}")
+    check_serving(engine, rollouts)
     raw = engine._engine
     reply = raw.update_weights_from_tensor(named_tensors=[(n, t.cuda()) for n, t in new.items()])
     after = engine.generate(PROMPTS, sampling())

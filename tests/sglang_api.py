@@ -11,6 +11,7 @@ What is recorded (0.5.23 layout):
                     `_INPUT_NAMESPACES` (srt/server_args.py), declared in srt/arg_groups/fields/*.py
   engine            for each `Engine` method the adapter calls, its parameters as [name, default source]
                     (default None-string when required) in order (srt/entrypoints/engine.py)
+  engine_coroutines those of them defined `async def` (async_generate: awaited on Engine.loop)
   sampling_params   the fields of `SamplingParams` (srt/sampling/sampling_params.py)
   memory_tags       GPU_MEMORY_ALL_TYPES (srt/constants.py): what release_memory_occupation() frees by default
   outside_session   the reply text of update_weights_from_tensor outside a session
@@ -28,8 +29,9 @@ from pathlib import Path
 from portable_rl.engines.canary import PackageSource
 from portable_rl.engines.sglang_internals import server_args_fields
 
-ENGINE_METHODS = ("__init__", "generate", "begin_weight_update", "end_weight_update", "update_weights_from_tensor",
-                  "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown")
+ENGINE_METHODS = ("__init__", "generate", "async_generate", "begin_weight_update", "end_weight_update",
+                  "update_weights_from_tensor", "flush_cache", "release_memory_occupation", "resume_memory_occupation",
+                  "shutdown")
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -60,7 +62,7 @@ def _parameters(fn: ast.FunctionDef) -> list[list]:
 def read_api(where: str) -> dict:
     src = PackageSource("sglang", where)
     engine = _class(src.tree("sglang.srt.entrypoints.engine"), "Engine")
-    methods = {n.name: n for n in engine.body if isinstance(n, ast.FunctionDef)}
+    methods = {n.name: n for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     constants = src.tree("sglang.srt.constants")
     names = {n.targets[0].id: n.value for n in constants.body if isinstance(n, ast.Assign)}
     memory_tags = [ast.literal_eval(names[e.id]) for e in names["GPU_MEMORY_ALL_TYPES"].elts]
@@ -77,6 +79,7 @@ def read_api(where: str) -> dict:
         "version": src.version(),
         "server_args": sorted(server_args_fields(src)),
         "engine": {m: _parameters(methods[m]) for m in ENGINE_METHODS},
+        "engine_coroutines": sorted(m for m in ENGINE_METHODS if isinstance(methods[m], ast.AsyncFunctionDef)),
         "sampling_params": sorted(_fields(_class(src.tree("sglang.srt.sampling.sampling_params"), "SamplingParams"))),
         "memory_tags": memory_tags,
         "outside_session": outside,

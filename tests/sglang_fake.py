@@ -32,6 +32,7 @@ Its "model" is a bigram on the tied embedding (logits = E[prev] · Eᵀ · 10), 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import json
@@ -84,12 +85,21 @@ def strict(fn):
     """Binds a call against the recorded signature of the method of the same name (TypeError like Python's)."""
     signature = recorded_signature(fn.__name__)
 
-    def wrapper(self, *args, **kwargs):
+    def arguments(self, args, kwargs):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         arguments.pop("self")
-        return fn(self, **arguments)
+        return arguments
+
+    if fn.__name__ in API["engine_coroutines"]:  # `async def` in SGLang: binds when called, runs when awaited
+        assert inspect.iscoroutinefunction(fn), fn.__name__
+
+        async def wrapper(self, *args, **kwargs):
+            return await fn(self, **arguments(self, args, kwargs))
+    else:
+        def wrapper(self, *args, **kwargs):
+            return fn(self, **arguments(self, args, kwargs))
 
     wrapper.__name__ = fn.__name__
     wrapper.__signature__ = signature
@@ -127,6 +137,8 @@ class FakeSGLangEngine:
         self.session = None
         self.released = set()
         self.memory_freed = False
+        self.loop = asyncio.new_event_loop()  # Engine.loop: generate and async_generate run on it
+        self.running = self.aborted = 0  # async_generate requests in the scheduler; cancelled ones
 
     # --------------------------------------------------------------------------------------------- model
     def _logits(self, prev):
@@ -137,45 +149,86 @@ class FakeSGLangEngine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False, **unmodelled):
         self.calls.append(("generate", dict(input_ids=input_ids, sampling_params=sampling_params,
                                             return_logprob=return_logprob)))
-        changed = {k: v for k, v in unmodelled.items() if v != recorded_signature("generate").parameters[k].default}
-        if prompt is not None or changed:
-            raise NotImplementedError(f"the fake models input_ids/sampling_params/return_logprob only: {changed}")
+        self._modelled("generate", prompt, unmodelled)
         single = isinstance(input_ids[0], int)
         batch = [input_ids] if single else input_ids
         params = [sampling_params] * len(batch) if isinstance(sampling_params, dict) else sampling_params
         outs = []
         for ids, p in zip(batch, params, strict=True):
-            unknown = sorted(set(p) - SAMPLING_PARAMS)
-            if unknown:
-                raise TypeError(f"Unexpected keyword argument '{unknown[0]}'")
-            if self.deterministic:
-                gen = torch.Generator().manual_seed(int(p.get("sampling_seed", UNSEEDED_DEFAULT)))
-            else:  # sampling_seed is ignored
-                gen = self.global_rng
-            limit = p.get("max_new_tokens", 128)
-            if len(ids) >= self.context_len or limit + len(ids) > self.context_len:  # _validate_one_request
-                raise ValueError(f"Requested token count exceeds the model's maximum context length of "
-                                 f"{self.context_len} tokens.")
-            prev, toks, lps, finish = ids[-1], [], [], {"type": "length", "length": limit}
-            for _ in range(limit):
-                logp = torch.log_softmax(self._logits(prev) / p.get("temperature", 1.0), -1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                toks.append(tok)
-                lps.append((float(logp[tok]), tok, None))
-                prev = tok
-                if tok in (p.get("stop_token_ids") or ()):
-                    finish = {"type": "stop", "matched": tok}
+            decode = self._decode(ids, p)
+            while True:
+                try:
+                    next(decode)
+                except StopIteration as done:
+                    outs.append(done.value)
                     break
-                matched = [s for s in p.get("stop") or () if s in fake_text(toks)]
-                if matched:  # the scheduler's check on the decoded text; the ids keep the completing token
-                    finish = {"type": "stop", "matched": matched[0]}
-                    break
-            text = fake_text(toks)
-            if finish.get("matched") in (p.get("stop") or ()) and not p.get("no_stop_trim"):
-                text = text[:text.find(finish["matched"])]  # detokenizer_manager.trim_matched_stop: the text only
-            outs.append({"text": text, "output_ids": toks,
-                         "meta_info": {"output_token_logprobs": lps, "finish_reason": finish}})
         return outs[0] if single else outs
+
+    @strict
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             **unmodelled):
+        """One request (the adapter's serving sends one per sample) as the scheduler serves it: one token per
+        turn of the event loop, so a short request finishes before a long one sent with it; a cancelled task
+        is aborted (tokenizer_manager.generate_request's cleanup)."""
+        self.calls.append(("async_generate", dict(input_ids=input_ids, sampling_params=sampling_params,
+                                                  return_logprob=return_logprob)))
+        self._modelled("async_generate", prompt, unmodelled)
+        if asyncio.get_running_loop() is not self.loop:  # the tokenizer manager's handle loop is the engine's
+            raise RuntimeError("async_generate awaited outside Engine.loop")
+        if not isinstance(input_ids[0], int) or not isinstance(sampling_params, dict):
+            raise NotImplementedError("the fake's async_generate models one request per call")
+        self.running += 1
+        try:
+            decode = self._decode(input_ids, sampling_params)
+            while True:
+                try:
+                    next(decode)
+                except StopIteration as done:
+                    return done.value
+                await asyncio.sleep(0)  # one decode step; the other running requests take theirs
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.running -= 1
+
+    def _modelled(self, method, prompt, unmodelled):
+        changed = {k: v for k, v in unmodelled.items() if v != recorded_signature(method).parameters[k].default}
+        if prompt is not None or changed:
+            raise NotImplementedError(f"the fake models input_ids/sampling_params/return_logprob only: {changed}")
+
+    def _decode(self, ids, p):
+        """One request, a generator: yields after each token, returns SGLang's output dict."""
+        unknown = sorted(set(p) - SAMPLING_PARAMS)
+        if unknown:
+            raise TypeError(f"Unexpected keyword argument '{unknown[0]}'")
+        if self.deterministic:
+            gen = torch.Generator().manual_seed(int(p.get("sampling_seed", UNSEEDED_DEFAULT)))
+        else:  # sampling_seed is ignored
+            gen = self.global_rng
+        limit = p.get("max_new_tokens", 128)
+        if len(ids) >= self.context_len or limit + len(ids) > self.context_len:  # _validate_one_request
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{self.context_len} tokens.")
+        prev, toks, lps, finish = ids[-1], [], [], {"type": "length", "length": limit}
+        for _ in range(limit):
+            logp = torch.log_softmax(self._logits(prev) / p.get("temperature", 1.0), -1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+            toks.append(tok)
+            lps.append((float(logp[tok]), tok, None))
+            prev = tok
+            if tok in (p.get("stop_token_ids") or ()):
+                finish = {"type": "stop", "matched": tok}
+                break
+            matched = [s for s in p.get("stop") or () if s in fake_text(toks)]
+            if matched:  # the scheduler's check on the decoded text; the ids keep the completing token
+                finish = {"type": "stop", "matched": matched[0]}
+                break
+            yield
+        text = fake_text(toks)
+        if finish.get("matched") in (p.get("stop") or ()) and not p.get("no_stop_trim"):
+            text = text[:text.find(finish["matched"])]  # detokenizer_manager.trim_matched_stop: the text only
+        return {"text": text, "output_ids": toks, "meta_info": {"output_token_logprobs": lps, "finish_reason": finish}}
 
     # --------------------------------------------------------------------------------------------- weights
     @strict

@@ -7,10 +7,14 @@ starts: two at fixture time, one more for the restart test). What is checked:
   * weight push: every engine receives it (their rollouts change, stay identical to each other, and their
     logprobs match the Flax learner holding the pushed weights), and a bad push is rejected on every engine;
   * faults: an engine process SIGKILLed while `generate` is in flight is restarted with the pushed weights,
-    and the call returns exactly the rollouts of an undisturbed run.
+    and the call returns exactly the rollouts of an undisturbed run; one SIGKILLed while serving is
+    replaced and sent its unanswered requests again;
+  * serving: a batch served equals the batch generated, each engine's finished requests are answered without
+    waiting for the other engine's, and the multi-turn driver's trajectories equal those of waves.
 Plus fast checks (no engines): shard arithmetic, the byte packing of pushed tensors, the gin file.
 """
 
+import dataclasses
 import os
 import signal
 import time
@@ -215,13 +219,92 @@ def test_push_reaches_every_engine(fleet, learner):
     assert max_logprob_diff(fleet.generate(PROMPTS, SAMPLING), sharded) == 0.0  # engines left unchanged
 
 
+def serve_log(fleet, requests, follow_up):
+    """fleet.serve(requests, respond) with a respond that logs every finished request (with the number of its
+    respond call) and sends `follow_up(request, rollouts)` (a Request or None) for each."""
+    log, calls = [], [0]
+
+    def respond(finished):
+        calls[0] += 1
+        log.extend((calls[0], request, rollouts) for request, rollouts in finished)
+        return [r for r in (follow_up(request, rollouts) for request, rollouts in finished) if r is not None]
+
+    fleet.serve(requests, respond)
+    return log
+
+
+def batch_requests(prompts, sampling):
+    """One generate call's prompts as serve requests: the batch rule's seeds, key = prompt index."""
+    from portable_rl.engines.base import Request
+
+    return [Request(i, p, dataclasses.replace(sampling, seed=sampling.seed_for(i))) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_serve_of_a_batch_equals_generate(fleet):
+    """The requests of one generate call served on the fleet (the first half on engine 0, the rest on engine 1,
+    each continuously): the caller's own requests come back, with the sharded generate's rollouts, token for
+    token and logprob for logprob."""
+    requests = batch_requests(PROMPTS, SAMPLING)
+    log = serve_log(fleet, requests, lambda request, rollouts: None)
+    assert sorted(request.key for _, request, _ in log) == list(range(len(PROMPTS)))
+    assert all(request is requests[request.key] for _, request, _ in log)
+    served = [r for _, _, rollouts in sorted(log, key=lambda entry: entry[1].key) for r in rollouts]
+    reference = fleet.generate(PROMPTS, SAMPLING)
+    assert [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in served] == \
+           [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in reference]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_serve_answers_each_engine_as_it_finishes(fleet):
+    """A 2-token request on engine 0, followed three times by another (its prompt + response), and a 200-token
+    one on engine 1: the four short ones are answered one respond call each while engine 1 is still generating,
+    and their follow-ups run on engine 0, so the long one comes last (a fleet in waves would answer the first
+    short request with the long one). Every request gets the tokens a lone generate gives it."""
+    from portable_rl.engines.base import Request
+
+    short = SamplingConfig(temperature=0.7, max_tokens=2, min_tokens=2, seed=3)
+    long = SamplingConfig(temperature=0.7, max_tokens=200, min_tokens=200, seed=5)
+
+    def follow_up(request, rollouts):
+        if request.sampling.max_tokens == 2 and request.key < 3:
+            return Request(request.key + 1, request.prompt_token_ids + rollouts[0].response_token_ids,
+                           dataclasses.replace(short, seed=short.seed + request.key + 1))
+        return None
+
+    log = serve_log(fleet, [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)], follow_up)
+    assert [(call, request.key) for call, request, _ in log] == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]
+    for _, request, (rollout,) in log:
+        alone, = generate_on(fleet, 0, [request.prompt_token_ids], request.sampling)
+        assert rollout.response_token_ids == alone.response_token_ids
+        assert len(rollout.response_token_ids) == request.sampling.max_tokens
+
+
+class Waves:
+    """The fleet served in waves (EngineAdapter's default serving: one sharded generate call per turn)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def serve(self, requests, respond):
+        from portable_rl.engines.base import drive, in_waves
+
+        drive(in_waves(self.engine, requests), respond)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, ckpt):
-    """The multi-turn driver (rl/turns.py) on the fleet: every wave's one batched call is sharded over both
-    engines, and the trajectories are those the driver gets from engine 0 alone: the same ids and logprobs, the
-    observations masked, the same turns and finish reasons; the environment's stop string and the fleet's
-    max_model_len reach the engines."""
+    """The multi-turn driver (rl/turns.py) on the fleet. In waves every turn's one batched call is sharded over
+    both engines, and the trajectories are those the driver gets from engine 0 alone: the same ids and logprobs,
+    the observations masked, the same turns and finish reasons; the environment's stop string and the fleet's
+    max_model_len reach the engines. Served continuously (each trajectory on one engine), the same ids, masks,
+    turns and finish reasons, the logprobs to the bf16 engine's batch-composition rounding."""
     from portable_rl.engines.base import EngineAdapter
     from portable_rl.environments import Environment, Step
     from portable_rl.rl.codec import TextCodec
@@ -258,10 +341,19 @@ def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, c
     examples = [Example("abc", "2"), Example("hello", "3"), Example("xyz", "9")]
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, seed=3, stop_token_ids=(codec.eos_id,))
     config = EnvironmentConfig(max_turns=3, max_total_tokens=48)
-    on_fleet, _ = run_trajectories(fleet, codec, examples, Countdown, sampling, config)
+    on_fleet, _ = run_trajectories(Waves(fleet), codec, examples, Countdown, sampling, config)
     on_one, _ = run_trajectories(EngineZero(), codec, examples, Countdown, sampling, config)
     assert [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_fleet] == \
            [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_one]
+    served, _ = run_trajectories(fleet, codec, examples, Countdown, sampling, config)
+    assert [(t.rollout.response_token_ids, t.rollout.response_mask, t.rollout.turn_index, t.finish, t.reward)
+            for t in served] == [(t.rollout.response_token_ids, t.rollout.response_mask, t.rollout.turn_index,
+                                  t.finish, t.reward) for t in on_fleet]
+    print("fleet served vs waves max|Δ logprob| =",
+          max(abs(a - b) for s, w in zip(served, on_fleet) for a, b in zip(s.rollout.response_logprobs,
+                                                                           w.rollout.response_logprobs)))
+    np.testing.assert_allclose(np.concatenate([t.rollout.response_logprobs for t in served]),
+                               np.concatenate([t.rollout.response_logprobs for t in on_fleet]), atol=BF16_MAX_ABS_DIFF)
     assert {t.finish for t in on_fleet} <= {"done", "max_turns", "token_budget"}
     assert [t.finish for t in on_fleet[:2]] == ["done"] * 2 and on_fleet[-1].finish != "done"
     for t in on_fleet:
@@ -317,6 +409,41 @@ def test_engine_killed_mid_generate_is_restarted_with_pushed_weights(fleet, lear
     # The replacement holds the pushed weights, not the checkpoint's: the rollouts are those of the
     # undisturbed run, token for token and logprob for logprob.
     assert max_logprob_diff(rollouts, undisturbed) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_engine_killed_while_serving_is_replaced_and_sent_its_unanswered_requests(fleet, learner):
+    """SIGKILL engine 1 in the first respond call, while requests it serves are unanswered: the fleet replaces
+    it (with the pushed weights) and sends the replacement those requests again; every request is answered
+    once, with the rollouts of an undisturbed serve."""
+    model, config = learner
+    push(fleet, perturbed(model, seed=3), config)
+    requests = batch_requests(LONG_PROMPTS, LONG_SAMPLING)  # prompts 0-7 on engine 0, 8-15 on engine 1
+    undisturbed = {request.key: rollouts for _, request, rollouts in serve_log(fleet, requests, lambda *_: None)}
+    assert [r.response_token_ids for k in sorted(undisturbed) for r in undisturbed[k]] != \
+           [r.response_token_ids for r in fleet.checkpoint_long_rollouts]  # pushed weights matter here
+    pids, restarts = engine_pids(fleet), fleet.restarts
+    answered, unanswered_on_1_at_kill = [], []
+
+    def respond(finished):
+        if not answered:
+            unanswered_on_1_at_kill.extend(sorted(set(range(8, 16)) - {request.key for request, _ in finished}))
+            os.kill(pids[1], signal.SIGKILL)
+        answered.extend(finished)
+        return []
+
+    with pytest.warns(UserWarning, match="engine 1 died during serving"):
+        fleet.serve(requests, respond)
+    assert unanswered_on_1_at_kill  # the engine died with requests of its own in flight
+    assert fleet.restarts == restarts + 1
+    new_pids = engine_pids(fleet)
+    assert new_pids[0] == pids[0] and new_pids[1] != pids[1]
+    assert sorted(request.key for request, _ in answered) == list(range(len(LONG_PROMPTS)))  # each once
+    got = {request.key: rollouts for request, rollouts in answered}
+    for key in range(len(LONG_PROMPTS)):
+        assert [r.response_token_ids for r in got[key]] == [r.response_token_ids for r in undisturbed[key]], key
+        assert [r.response_logprobs for r in got[key]] == [r.response_logprobs for r in undisturbed[key]], key
 
 
 @pytest.mark.slow

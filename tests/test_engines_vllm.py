@@ -128,7 +128,7 @@ def test_serve_answers_a_request_when_it_finishes_not_when_its_wave_does(bf16_en
     response). vLLM's serve hands the short one back after its own step and runs its follow-ups beside the long
     one: three follow-ups finish before the long request, in separate respond calls. The default (waves) answers
     both together. Both give every request the tokens a lone generate of it gives (its seed is its own)."""
-    from portable_rl.engines.base import EngineAdapter, Request
+    from portable_rl.engines.base import Request, drive, in_waves
 
     short = SamplingConfig(temperature=0.7, max_tokens=2, min_tokens=2, seed=3)
     long = SamplingConfig(temperature=0.7, max_tokens=12, min_tokens=12, seed=5)
@@ -141,7 +141,7 @@ def test_serve_answers_a_request_when_it_finishes_not_when_its_wave_does(bf16_en
 
     requests = [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)]
     continuous = serve_log(bf16_engine, requests, follow_up)
-    waves = serve_log(bf16_engine, requests, follow_up, serve=lambda r, f: EngineAdapter.serve(bf16_engine, r, f))
+    waves = serve_log(bf16_engine, requests, follow_up, serve=lambda r, f: drive(in_waves(bf16_engine, r), f))
     keys = lambda log: [(call, request.key) for call, request, _ in log]  # noqa: E731
     assert keys(continuous) == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]  # the long one last, alone
     assert keys(waves) == [(1, 0), (1, 100), (2, 1), (3, 2), (4, 3)]

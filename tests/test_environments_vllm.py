@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import load_hf_model  # noqa: E402
 from portable_rl.engines import create_engine  # noqa: E402
-from portable_rl.engines.base import EngineAdapter  # noqa: E402
+from portable_rl.engines.base import drive, in_waves  # noqa: E402
 from portable_rl.environments import Environment, Step, register_environment  # noqa: E402
 from portable_rl.rl.codec import TextCodec  # noqa: E402
 from portable_rl.rl.config import EnvironmentConfig  # noqa: E402
@@ -106,13 +106,13 @@ DIGITS = tuple("0123456789")
 
 
 class Waves:
-    """An engine served in waves (EngineAdapter's default serve: one generate call per turn), not by its own."""
+    """An engine served `in_waves` (the default serving: one generate call per turn), not by its own."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def serve(self, requests, respond):
-        EngineAdapter.serve(self.engine, requests, respond)
+        drive(in_waves(self.engine, requests), respond)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

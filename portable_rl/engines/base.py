@@ -36,13 +36,20 @@ depends on the last one's response (multi-turn environments, rl/turns.py):
     serve(requests, respond)   generates each request; every finished one goes to respond(finished), which
                                returns the next requests; until no request is left
 
+An adapter implements it as `serving(requests)`, a generator that yields each batch of finished requests,
+`[(request, rollouts), ...]`, and is sent the requests that follow them (`serve` drives it with `respond`:
+`drive(session, respond)`; closing it drops what is still running). The generator lets a caller hold a serving
+session open between calls: the Ray fleet keeps one per engine actor and answers each from the driver.
+
 A `Request` carries its own `SamplingConfig` (its n samples get the seeds seed + j, i.e. `seed_for(0, j)`),
-so a request's rollouts do not depend on when it was sent. The default serves in waves: all the requests
+so a request's rollouts do not depend on when it was sent. The default serves `in_waves`: all the requests
 at hand in one `generate` call per distinct sampling (seeds and max_tokens aside: the call takes the most
 max_tokens and cuts each request's rollouts back to its own, finish_reason "length"; a seeded sample is the
 same prefix at any max_tokens), then `respond` with all of them. An engine with continuous batching (vLLM)
 overrides it: a finished request goes to `respond` after the engine step that finished it, and the next
-requests join the running batch, so no request waits for the slowest of a wave.
+requests join the running batch, so no request waits for the slowest of a wave. The Ray fleet serves each
+trajectory on one engine (its follow-ups go where it started, onto its cached prefix) and answers each
+engine's finished requests as they come, whichever engine finishes first.
 
 Routed experts (mixture-of-experts policies; `SamplingConfig.return_routed_experts`, for routing replay).
 An adapter with `returns_routed_experts = True` fills `Rollout.routed_experts` with the experts the engine's
@@ -89,8 +96,9 @@ adapter buckets it for its own transport; the learner side (`rl.sync.push_weight
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from typing import Callable, Iterable, Iterator, Sequence, Tuple
+from typing import Callable, Generator, Iterable, Iterator, Sequence, Tuple
 
 from portable_rl.errors import ConfigError
 
@@ -214,6 +222,9 @@ class Request:
     sampling: SamplingConfig
 
 
+Finished = list[tuple[Request, list[Rollout]]]  # what `serving` yields: finished requests with their rollouts
+
+
 def _waves(requests: Sequence[Request]) -> list[list[Request]]:
     """The requests grouped by sampling, seeds and max_tokens aside (first-seen order), seeded and unseeded
     apart: each group is one `generate` call of the default `serve`."""
@@ -252,6 +263,41 @@ def prompt_seeds(sampling: SamplingConfig, seeds: Sequence[int] | None, num_prom
     if len(seeds) != num_prompts:
         raise ValueError(f"{len(seeds)} seeds for {num_prompts} prompts; pass one per prompt")
     return [int(s) for s in seeds]
+
+
+def drive(session: Generator[Finished, Sequence[Request], None],
+          respond: Callable[[Finished], Sequence[Request]]) -> None:
+    """Runs a serving session (an adapter's `serving(requests)`) to its end: each batch of finished requests
+    goes to `respond`, whose requests are sent back. Closes the session if `respond` raises, so the engine
+    drops what is still running."""
+    with contextlib.closing(session):
+        finished = next(session, None)
+        while finished is not None:
+            following = list(respond(finished))
+            try:
+                finished = session.send(following)
+            except StopIteration:
+                finished = None
+
+
+def in_waves(engine: "EngineAdapter", requests: Sequence[Request]) -> Generator[Finished, Sequence[Request], None]:
+    """Serving in waves over `engine.generate` (the default `serving`; module doc, "Serving"): one generate call
+    per distinct sampling over all the requests at hand, then one batch with every one of them, in request
+    order."""
+    pending = list(requests)
+    while pending:
+        finished = []
+        for group in _waves(pending):
+            first = group[0].sampling
+            rollouts = engine.generate(
+                [r.prompt_token_ids for r in group],
+                dataclasses.replace(first, max_tokens=max(r.sampling.max_tokens for r in group)),
+                **_batch_seeds([r.sampling.seed for r in group], first.n))
+            finished += [(r, [_cut(x, r.sampling.max_tokens) for x in rollouts[i * first.n:(i + 1) * first.n]])
+                         for i, r in enumerate(group)]
+        order = {id(r): i for i, r in enumerate(pending)}
+        finished.sort(key=lambda pair: order[id(pair[0])])
+        pending = list((yield finished))
 
 
 NamedTensor = Tuple[str, "torch.Tensor"]  # noqa: F821  (torch is only needed by concrete adapters)
@@ -314,25 +360,15 @@ class EngineAdapter(abc.ABC):
         """Returns `n` rollouts per prompt in prompt-major order (prompt 0's n samples first). `seeds`: per
         prompt, the seed of its sample 0 (module doc, "Seeds"); None: `sampling.seed_for(i)`."""
 
-    def serve(self, requests: Sequence["Request"],
-              respond: Callable[[list[tuple["Request", list[Rollout]]]], Sequence["Request"]]) -> None:
+    def serve(self, requests: Sequence[Request], respond: Callable[[Finished], Sequence[Request]]) -> None:
         """Generates `requests` and whatever `respond` returns for the finished ones, until none is left
-        (module doc, "Serving"). This default serves in waves: one `generate` call per distinct sampling over
-        all the requests at hand, then one `respond` with every one of them, in request order."""
-        pending = list(requests)
-        while pending:
-            finished = []
-            for group in _waves(pending):
-                first = group[0].sampling
-                rollouts = self.generate(
-                    [r.prompt_token_ids for r in group],
-                    dataclasses.replace(first, max_tokens=max(r.sampling.max_tokens for r in group)),
-                    **_batch_seeds([r.sampling.seed for r in group], first.n))
-                finished += [(r, [_cut(x, r.sampling.max_tokens) for x in rollouts[i * first.n:(i + 1) * first.n]])
-                             for i, r in enumerate(group)]
-            order = {id(r): i for i, r in enumerate(pending)}
-            finished.sort(key=lambda pair: order[id(pair[0])])
-            pending = list(respond(finished))
+        (module doc, "Serving"): `drive(self.serving(requests), respond)`."""
+        drive(self.serving(requests), respond)
+
+    def serving(self, requests: Sequence[Request]) -> Generator[Finished, Sequence[Request], None]:
+        """Yields each batch of finished requests with their rollouts and is sent the requests that follow
+        them (module doc, "Serving"). This default serves `in_waves`."""
+        return in_waves(self, requests)
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:

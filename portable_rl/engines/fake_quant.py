@@ -70,8 +70,8 @@ class FakeQuantEngine(EngineAdapter):
                  seeds: Sequence[int] | None = None) -> list[Rollout]:
         return self.inner.generate(prompt_token_ids, sampling, seeds=seeds)
 
-    def serve(self, requests, respond) -> None:
-        self.inner.serve(requests, respond)  # the inner engine's batching (vLLM: continuous)
+    def serving(self, requests):
+        return self.inner.serving(requests)  # the inner engine's batching (vLLM: continuous)
 
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Fake-quantizes the flat pairs lazily and hands the inner engine the same flat shape (it buckets)."""

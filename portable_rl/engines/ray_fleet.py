@@ -15,6 +15,14 @@ not depend on the number of engines (up to batch-composition effects on the logi
 tests/test_engines_ray.py). The `SamplingConfig` travels whole (stop strings included), and `max_model_len` is
 engine 0's, so the multi-turn driver runs on a fleet as on one engine.
 
+Serving (base.py, "Serving"). `serving` splits the first requests into contiguous shards, as `generate` does,
+and opens one serving session per engine actor (`EngineHost.serve_start`: the actor keeps its adapter's
+`serving` generator between calls). Whichever actor answers first, its finished requests are yielded; the
+requests that follow them go back to that same actor (`serve_reply`), so a trajectory stays on one engine and
+its next turn reuses the prefix cached there. Each actor batches as its adapter does (vLLM: continuously), and
+no actor waits for another. The requests travel with a serial number, so the caller gets its own `Request`
+objects back.
+
 Weights. `update_weights` packs each bucket ONCE into the object store (every tensor made contiguous and
 stored as raw bytes, which Ray keeps as a zero-copy numpy buffer in shared memory), then every actor reads
 the same refs — on one node all actors map the same bytes — and makes its adapter's single
@@ -23,19 +31,22 @@ the current weights back.
 
 Faults. If an actor dies (process killed, node lost) during `generate`, `update_weights`, `sleep` or
 `wake_up`, the fleet starts a replacement on the same checkpoint, re-pushes the last pushed weights, and
-retries that engine's share; the call returns normally. `restarts` counts replacements.
+retries that engine's share; the call returns normally. During `serving`, the replacement is sent every
+request that actor had not answered (each carries its seed, so it gives the same rollouts). `restarts` counts
+replacements.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 from portable_rl.engines.buckets import bucketed
-from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs, prompt_seeds)
+from portable_rl.engines.base import (EngineAdapter, Finished, NamedTensor, Request, Rollout, SamplingConfig,
+                                      check_prompts, named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.registry import create_engine, register
 from portable_rl.errors import UserError
 
@@ -114,6 +125,34 @@ class EngineHost:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
                  ) -> list[Rollout]:
         return self.engine.generate(prompts, sampling, seeds=seeds)
+
+    # A serving session (module doc, "Serving"): the adapter's `serving` generator, kept between calls. Requests
+    # come numbered, [(serial, Request)]; what finished goes back as [(serial, rollouts)], or None at its end.
+    def serve_start(self, numbered: list[tuple[int, Request]]) -> list[tuple[int, list[Rollout]]] | None:
+        self.serve_close()
+        self._serials: dict[int, tuple[int, Request]] = {}  # id(request) → (serial, request: kept alive)
+        self._session = self.engine.serving(self._numbered(numbered))
+        return self._answer(lambda: next(self._session))
+
+    def serve_reply(self, numbered: list[tuple[int, Request]]) -> list[tuple[int, list[Rollout]]] | None:
+        return self._answer(lambda: self._session.send(self._numbered(numbered)))
+
+    def serve_close(self) -> None:
+        session, self._session = getattr(self, "_session", None), None
+        if session is not None:
+            session.close()  # the adapter drops what is still running
+
+    def _numbered(self, numbered: list[tuple[int, Request]]) -> list[Request]:
+        self._serials.update((id(request), (serial, request)) for serial, request in numbered)
+        return [request for _, request in numbered]
+
+    def _answer(self, advance) -> list[tuple[int, list[Rollout]]] | None:
+        try:
+            finished = advance()
+        except StopIteration:
+            self._session = None
+            return None
+        return [(self._serials.pop(id(request))[0], rollouts) for request, rollouts in finished]
 
     def update_weights(self, bucket_refs: list) -> int:
         import ray
@@ -290,6 +329,60 @@ class RayEngineFleet(EngineAdapter):
                 r.prompt_index += start  # shard-local → batch index
                 rollouts.append(r)
         return rollouts
+
+    def serving(self, requests: Sequence[Request]) -> Generator[Finished, Sequence[Request], None]:
+        """One serving session per engine actor; finished requests are yielded as each actor answers, and
+        their follow-ups go back to the actor that served them (module doc, "Serving" and "Faults")."""
+        import ray
+
+        actors = self._require_actors()
+        serials = itertools.count()
+        unanswered: list[dict[int, Request]] = [{} for _ in actors]  # per actor: serial → the caller's request
+        waiting: dict = {}  # the ref of each actor's pending call → actor index
+        live: set[int] = set()  # actors whose session is open
+        restarts = [0] * len(actors)
+
+        def numbered(i: int, batch: Sequence[Request]) -> list[tuple[int, Request]]:
+            out = []
+            for request in batch:
+                check_prompts([request.prompt_token_ids])
+                self.check_sampling(request.sampling)
+                serial = next(serials)
+                unanswered[i][serial] = request
+                out.append((serial, request))
+            return out
+
+        try:
+            requests = list(requests)
+            for i, (start, end) in enumerate(shard_bounds(len(requests), len(actors))):
+                waiting[actors[i].serve_start.remote(numbered(i, requests[start:end]))] = i
+                live.add(i)
+            while waiting:
+                (ref,), _ = ray.wait(list(waiting), num_returns=1)
+                i = waiting.pop(ref)
+                try:
+                    answered = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    if e.actor_init_failed or restarts[i] == self.max_restarts:
+                        raise
+                    restarts[i] += 1
+                    warnings.warn(f"ray_fleet: engine {i} died during serving ({type(e).__name__}); restarting it "
+                                  f"with the last pushed weights and sending it its {len(unanswered[i])} "
+                                  "unanswered request(s) again")
+                    self._restart(i)  # replaces actors[i]
+                    waiting[actors[i].serve_start.remote(sorted(unanswered[i].items()))] = i
+                    continue
+                if answered is None:  # this actor's session ended: nothing of it is left
+                    live.discard(i)
+                    continue
+                following = yield [(unanswered[i].pop(serial), rollouts) for serial, rollouts in answered]
+                waiting[actors[i].serve_reply.remote(numbered(i, following))] = i
+        finally:
+            for i in live:  # the caller raised or closed the session: the actors drop theirs
+                try:
+                    ray.get(self._actors[i].serve_close.remote())
+                except ray.exceptions.RayActorError:
+                    pass
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:

@@ -62,6 +62,12 @@ without no_stop_trim), so the token completing the string is the response's last
 prompt + max_new_tokens passes the context length is refused by SGLang, so each request's max_new_tokens is cut
 to `max_model_len` − len(prompt) (vLLM stops there by itself).
 
+Serving (multi-turn rollouts, base.py "Serving"). `serving` sends each sample as one `Engine.async_generate` task
+on the engine's own event loop (`Engine.loop`, where `generate` runs too) and runs the loop until one finishes:
+SGLang's scheduler batches them continuously, and a finished request is answered while the others keep
+generating. Cancelling a task aborts its request in the scheduler (tokenizer_manager.generate_request's
+cleanup), which is how a closed session leaves nothing behind.
+
 Sleep. `sleep_mode=True` starts the engine with SGLang's memory saver and a CPU backup of the weights:
 `sleep()` then frees the KV cache, the weights and the CUDA graphs, and `wake_up()` restores them with the
 weights' contents intact. Without it `release_memory_occupation` frees nothing, so `sleep()` raises.
@@ -69,14 +75,16 @@ weights' contents intact. Without it `release_memory_occupation` frees nothing, 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 from portable_rl.engines.buckets import bucketed_groups
-from portable_rl.engines.base import (EngineAdapter, NamedTensor, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs, prompt_seeds)
+from portable_rl.engines.base import (EngineAdapter, Finished, NamedTensor, Request, Rollout, SamplingConfig,
+                                      check_prompts, named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.checkpoint import check_named_tensors, read_checkpoint_shapes, tied_embeddings
 from portable_rl.engines.registry import register
 from portable_rl.engines.sglang_internals import (FLASH_RL_ARCHITECTURES, RETURN_ORIGINAL_LOGPROB_ENV,
@@ -234,54 +242,105 @@ class SGLangEngine(EngineAdapter):
         engine = self._require_engine()
         prompts = check_prompts(prompt_token_ids)
         first_seeds = prompt_seeds(sampling, seeds, len(prompts))
-        self.check_sampling(sampling)  # no sampling support from SGLang: return_support is refused
-        if any(s is not None for s in first_seeds) and not self.seeds_honoured and not self._warned_unseeded:
-            self._warned_unseeded = True
-            warnings.warn("SGLang runs without enable_deterministic_inference, so sampling seeds are ignored and "
-                          "rollouts are not reproducible (resume and fleet results will differ); start the "
-                          "engine with deterministic=True to honour them", RuntimeWarning, stacklevel=2)
         # n samples as n requests (prompt-major) so the order and the per-sample seeds are ours, not SGLang's.
-        if sampling.stop and self.engine_init_kwargs.get("skip_tokenizer_init"):
-            raise ConfigError(f"stop={sampling.stop}: SGLang matches stop strings on detokenized text, and this "
-                              "engine runs with skip_tokenizer_init=True; drop it from engine_init_kwargs")
         input_ids, params, owners = [], [], []
         for i, prompt in enumerate(prompts):
-            max_new_tokens = sampling.max_tokens
-            if self.max_model_len is not None:  # SGLang refuses a request past its context; vLLM stops there
-                max_new_tokens = min(max_new_tokens, self.max_model_len - len(prompt))
-                if max_new_tokens < 1:
-                    raise ValueError(f"prompt {i} has {len(prompt)} tokens; the engine serves at most "
-                                     f"{self.max_model_len} (prompt + response): raise context_length or shorten it")
-            for j in range(sampling.n):
-                p = dict(temperature=sampling.temperature, max_new_tokens=max_new_tokens,
-                         top_p=sampling.top_p, top_k=sampling.top_k)
-                if sampling.stop_token_ids:
-                    p["stop_token_ids"] = list(sampling.stop_token_ids)
-                if sampling.min_tokens:
-                    p["min_new_tokens"] = sampling.min_tokens
-                if sampling.stop:  # the returned ids are never trimmed; no_stop_trim keeps the text whole too
-                    p.update(stop=list(sampling.stop), no_stop_trim=True)
-                if first_seeds[i] is not None and self.seeds_honoured:
-                    p["sampling_seed"] = first_seeds[i] + j
+            for p in self._sample_params(i, prompt, sampling, first_seeds[i]):
                 input_ids.append(prompt)
                 params.append(p)
                 owners.append(i)
         outputs = engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
         if isinstance(outputs, dict):  # a single request comes back unwrapped
             outputs = [outputs]
-        rollouts = []
-        for i, out in zip(owners, outputs, strict=True):
-            meta = out["meta_info"]
-            token_logprobs = meta["output_token_logprobs"]
-            finish = meta["finish_reason"]
-            finish_type = finish.get("type") if isinstance(finish, dict) else finish
-            if finish_type not in ("stop", "length"):
-                raise RuntimeError(f"SGLang finished a request with {finish!r}")
-            rollouts.append(Rollout(
-                prompt_index=i, prompt_token_ids=prompts[i],
-                response_token_ids=[int(tok) for _, tok, *_ in token_logprobs],
-                response_logprobs=[float(lp) for lp, *_ in token_logprobs], finish_reason=finish_type))
-        return rollouts
+        return [self._rollout(i, prompts[i], out) for i, out in zip(owners, outputs, strict=True)]
+
+    def serving(self, requests: Sequence[Request]) -> Generator[Finished, Sequence[Request], None]:
+        """Continuous batching (base.py, "Serving") through SGLang's own scheduler: each sample of a request is
+        one `async_generate` task on the engine's event loop; the loop runs until a task finishes, and every
+        request whose samples are all done is yielded (in send order); the requests sent back join the
+        scheduler's running batch while the others keep going. Closing the session cancels the tasks still
+        running, which aborts their requests in the scheduler (sglang_internals, "cancel_aborts")."""
+        engine = self._require_engine()
+        loop = engine.loop
+        tasks: dict[asyncio.Task, tuple[int, int]] = {}  # task → (send order, sample)
+        sent: dict[int, tuple[Request, list[int], list]] = {}  # send order → (request, prompt, rollouts so far)
+        sends = itertools.count()
+
+        def send(batch):
+            for request in batch:
+                prompt = check_prompts([request.prompt_token_ids])[0]
+                params = self._sample_params(0, prompt, request.sampling, request.sampling.seed)
+                order = next(sends)
+                sent[order] = (request, prompt, [None] * len(params))
+                for j, p in enumerate(params):
+                    task = loop.create_task(engine.async_generate(input_ids=prompt, sampling_params=p,
+                                                                  return_logprob=True))
+                    tasks[task] = (order, j)
+
+        try:
+            send(requests)
+            while tasks:
+                done, _ = loop.run_until_complete(asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED))
+                finished = []
+                for task in sorted(done, key=tasks.get):
+                    order, j = tasks.pop(task)
+                    request, prompt, rollouts = sent[order]
+                    rollouts[j] = self._rollout(0, prompt, task.result())
+                    if all(r is not None for r in rollouts):
+                        finished.append(order)
+                if finished:
+                    send((yield [(sent[o][0], sent.pop(o)[2]) for o in sorted(finished)]))
+        finally:
+            if tasks:  # the caller raised or closed the session: nothing of it stays in the engine
+                for task in tasks:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+    def _sample_params(self, index: int, prompt: list[int], sampling: SamplingConfig, first_seed: int | None
+                       ) -> list[dict]:
+        """SGLang's sampling_params of each of the prompt's n samples (sample j seeded first_seed + j)."""
+        self.check_sampling(sampling)  # no sampling support from SGLang: return_support is refused
+        if first_seed is not None and not self.seeds_honoured and not self._warned_unseeded:
+            self._warned_unseeded = True
+            warnings.warn("SGLang runs without enable_deterministic_inference, so sampling seeds are ignored and "
+                          "rollouts are not reproducible (resume and fleet results will differ); start the "
+                          "engine with deterministic=True to honour them", RuntimeWarning, stacklevel=3)
+        if sampling.stop and self.engine_init_kwargs.get("skip_tokenizer_init"):
+            raise ConfigError(f"stop={sampling.stop}: SGLang matches stop strings on detokenized text, and this "
+                              "engine runs with skip_tokenizer_init=True; drop it from engine_init_kwargs")
+        max_new_tokens = sampling.max_tokens
+        if self.max_model_len is not None:  # SGLang refuses a request past its context; vLLM stops there
+            max_new_tokens = min(max_new_tokens, self.max_model_len - len(prompt))
+            if max_new_tokens < 1:
+                raise ValueError(f"prompt {index} has {len(prompt)} tokens; the engine serves at most "
+                                 f"{self.max_model_len} (prompt + response): raise context_length or shorten it")
+        params = []
+        for j in range(sampling.n):
+            p = dict(temperature=sampling.temperature, max_new_tokens=max_new_tokens,
+                     top_p=sampling.top_p, top_k=sampling.top_k)
+            if sampling.stop_token_ids:
+                p["stop_token_ids"] = list(sampling.stop_token_ids)
+            if sampling.min_tokens:
+                p["min_new_tokens"] = sampling.min_tokens
+            if sampling.stop:  # the returned ids are never trimmed; no_stop_trim keeps the text whole too
+                p.update(stop=list(sampling.stop), no_stop_trim=True)
+            if first_seed is not None and self.seeds_honoured:
+                p["sampling_seed"] = first_seed + j
+            params.append(p)
+        return params
+
+    @staticmethod
+    def _rollout(index: int, prompt: list[int], out: dict) -> Rollout:
+        """The Rollout of one SGLang output of prompt `index`."""
+        meta = out["meta_info"]
+        token_logprobs = meta["output_token_logprobs"]
+        finish = meta["finish_reason"]
+        finish_type = finish.get("type") if isinstance(finish, dict) else finish
+        if finish_type not in ("stop", "length"):
+            raise RuntimeError(f"SGLang finished a request with {finish!r}")
+        return Rollout(prompt_index=index, prompt_token_ids=prompt,
+                       response_token_ids=[int(tok) for _, tok, *_ in token_logprobs],
+                       response_logprobs=[float(lp) for lp, *_ in token_logprobs], finish_reason=finish_type)
 
     # ----------------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[NamedTensor]) -> None:

@@ -163,6 +163,22 @@ def _check_context_refusal(src):
     return "srt/managers no longer refuses prompt + max_new_tokens past the context (the adapter's cut may be moot)"
 
 
+def _check_cancel_aborts(src):
+    manager = find_class(src.tree("sglang.srt.managers.tokenizer_manager"), "TokenizerManager")
+    generate = find_function(manager, "generate_request")
+    release = find_function(manager, "_release_req_states_on_failure")
+    if generate is None or release is None:
+        return "TokenizerManager.generate_request or _release_req_states_on_failure is gone (re-read how a " \
+               "cancelled async_generate is aborted)"
+    handlers = [h for node in ast.walk(generate) if isinstance(node, ast.Try) for h in node.handlers]
+    if not any(isinstance(h.type, ast.Name) and h.type.id == "BaseException" and
+               "_release_req_states_on_failure" in names_used(h) for h in handlers):
+        return "generate_request no longer releases its requests on BaseException (a cancelled task's request may " \
+               "keep running)"
+    return None if "abort_request" in names_used(release) else \
+        "_release_req_states_on_failure no longer aborts dispatched requests"
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("tempered_logprobs", "sglang.srt.layers.sampler.SGLANG_RETURN_ORIGINAL_LOGPROB",
              "logprobs are log(softmax(logits / T)) unless this env var is set (then T=1); the adapter refuses it",
@@ -192,6 +208,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("context_length_refusal", "sglang.srt.managers.tokenizer_manager (_validate_one_request)",
              "a request with prompt + max_new_tokens >= context_length is refused", f"{_ADAPTER}:SGLangEngine.generate "
              "(max_new_tokens cut to max_model_len)", _check_context_refusal),
+    Internal("cancel_aborts", "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+             "cancelling an async_generate task aborts its request in the scheduler (the BaseException cleanup, "
+             "_release_req_states_on_failure → abort_request)", f"{_ADAPTER}:SGLangEngine.serving",
+             _check_cancel_aborts),
     Internal("engine_keywords", "sglang.srt.server_args.ServerArgs / sglang.srt.sampling.sampling_params.SamplingParams",
              f"ServerArgs has {', '.join(SERVER_ARGS)}; SamplingParams has {', '.join(SAMPLING_KEYS)}",
              f"{_ADAPTER}:SGLangEngine", _check_keywords),

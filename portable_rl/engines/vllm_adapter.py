@@ -95,13 +95,13 @@ import json
 import os
 import sys
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Generator, Iterable, Sequence
 
 import numpy as np
 
 from portable_rl.engines import vllm_internals
-from portable_rl.engines.base import (EngineAdapter, NamedTensor, Request, Rollout, SamplingConfig, check_prompts,
-                                      named_tensor_pairs, prompt_seeds)
+from portable_rl.engines.base import (EngineAdapter, Finished, NamedTensor, Request, Rollout, SamplingConfig,
+                                      check_prompts, in_waves, named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
 from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
@@ -378,17 +378,17 @@ class VLLMEngine(EngineAdapter):
         # vLLM returns outputs in input order
         return [r for i, out in enumerate(outputs) for r in self._rollouts(i, prompts[i], out, sampling, captured)]
 
-    def serve(self, requests: Sequence[Request],
-              respond: Callable[[list[tuple[Request, list[Rollout]]]], Sequence[Request]]) -> None:
+    def serving(self, requests: Sequence[Request]) -> Generator[Finished, Sequence[Request], None]:
         """Continuous batching (base.py, "Serving"): every request joins vLLM's running batch when it is sent,
-        and a finished one goes to `respond` right after the engine step that finished it, with the others
-        of that step (in request order); the requests `respond` returns join before the next step. A request
-        with n > 1 is sent as its n samples (seeds seed + j, as vLLM seeds a request's n children), so each
-        sample is answered as soon as it ends. In-process (one worker, `in_process=True`) each call of
-        `LLMEngine.step` is one engine step, so what is served depends only on the requests, not on timing.
-        An engine with the CPU routing capture (taken per `generate` call) serves in waves (the default)."""
+        and a finished one is yielded right after the engine step that finished it, with the others of that
+        step (in request order); the requests sent back join before the next step. A request with n > 1 is
+        sent as its n samples (seeds seed + j, as vLLM seeds a request's n children), so each sample is
+        answered as soon as it ends. In-process (one worker, `in_process=True`) each call of `LLMEngine.step`
+        is one engine step, so what is served depends only on the requests, not on timing. An engine with
+        the CPU routing capture (taken per `generate` call) serves in waves (the default)."""
         if self._captures_routing:
-            return super().serve(requests, respond)
+            yield from in_waves(self, requests)
+            return
         llm = self._require_llm()
         running: dict[str, tuple[int, Request, int]] = {}  # our vLLM request id → (send order, request, sample)
         samples: dict[int, list] = {}  # send order → the request's rollouts so far, per sample
@@ -418,9 +418,9 @@ class VLLMEngine(EngineAdapter):
                         finished.append((order, request, samples.pop(order)))
                 if finished:
                     finished.sort(key=lambda f: f[0])
-                    send(respond([(request, rollouts) for _, request, rollouts in finished]))
+                    send((yield [(request, rollouts) for _, request, rollouts in finished]))
         finally:
-            if running:  # respond (or a request) raised: nothing of this call stays in the engine
+            if running:  # the caller raised or closed the session: nothing of it stays in the engine
                 vllm_internals.abort_requests(llm, list(running))
 
     def _check(self, sampling: SamplingConfig) -> None:

@@ -17,11 +17,11 @@
                ids, formatted as the chat template's user/tool turn and tokenized once (`codec.encode_observation`;
                mask 0, logprob 0); the model's text is never re-tokenized
 
-How the turns are batched is the engine's: the default `serve` runs each wave of requests as one batched
+How the turns are batched is the engine's: the default serving runs each wave of requests as one batched
 `generate` call (turn k of every trajectory still running, one call; the next wave waits for its slowest
-trajectory); vLLM batches continuously, so a trajectory's next turn joins the running batch right after the
-engine step that finished its last one. Both give the same trajectories up to the engine's batch-dependent
-rounding (each request's seed is its own).
+trajectory); vLLM, SGLang and the Ray fleet batch continuously, so a trajectory's next turn joins the running
+batch right after the engine step that finished its last one. All give the same trajectories up to the
+engine's batch-dependent rounding (each request's seed is its own).
 
 A trajectory's ids are prompt + turn₀ + obs₀ + turn₁ + obs₁ + … + turn_last (no observation after the last
 turn), its reward the sum of its steps' rewards. It ends with one finish reason:
