@@ -309,3 +309,26 @@ def test_push_equals_fresh_engine_other_families(family, tmp_path):
     assert [r.response_token_ids for r in after_push] == [r.response_token_ids for r in from_disk]
     assert [r.response_logprobs for r in after_push] == [r.response_logprobs for r in from_disk]
     assert result.n_tokens > 0
+
+
+def test_a_bare_process_generates_with_a_bf16_cpu_engine(tmp_path):
+    """A process that starts a bf16 engine on a tiny model and generates, nothing else: on a CPU with AMX, vLLM's
+    bf16 attention runs AMX tiles, which Linux grants only to a process that asked (`cpu_features.
+    allow_amx_tiles`, called by the adapter); without the request this process dies of SIGILL at its first
+    generate (the tiny model's GEMMs never go through oneDNN's AMX path, which would have asked)."""
+    import subprocess
+    import sys
+
+    from portable_rl.engines.cpu_features import allow_amx_tiles, cpu_flags
+
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    script = ("import sys\nfrom portable_rl.engines import SamplingConfig, create_engine\n"
+              "if __name__ == '__main__':\n"
+              f"    with create_engine('vllm', model_path={str(ckpt)!r}, max_model_len=64) as engine:\n"
+              "        rollout, = engine.generate([[1, 40, 41]], SamplingConfig(max_tokens=4, seed=0))\n"
+              "    print('generated', len(rollout.response_token_ids), engine.engine_init_kwargs['dtype'])\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "generated 4" in proc.stdout
+    assert allow_amx_tiles() == ("amx_tile" in cpu_flags())  # granted exactly where the CPU has AMX tiles
+    assert allow_amx_tiles(flags=set()) is False

@@ -104,8 +104,8 @@ from portable_rl.engines.base import (EngineAdapter, Finished, NamedTensor, Requ
                                       check_prompts, in_waves, named_tensor_pairs, prompt_seeds)
 from portable_rl.engines.checkpoint import (WeightUpdateError, check_named_tensors,  # noqa: F401 (re-exported)
                                             read_checkpoint_shapes, tied_embeddings)
-from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, cpu_flags,  # noqa: F401 (re-exported)
-                                              omp_threads_spin, prefer_passive_omp_waits)
+from portable_rl.engines.cpu_features import (FAST_BF16_CPU_FLAGS, allow_amx_tiles,  # noqa: F401 (re-exported)
+                                              cpu_flags, omp_threads_spin, prefer_passive_omp_waits)
 from portable_rl.engines.registry import register
 from portable_rl.engines.shared_weights import shared_segment
 from portable_rl.engines.vllm_moe import check_moe_quantization, is_moe_checkpoint, records_by_inputs
@@ -318,8 +318,9 @@ class VLLMEngine(EngineAdapter):
         vllm_internals.check_vllm_version(vllm.__version__)
         vllm_internals.quiet_expected_reload_warnings()
         on_cpu = _on_cpu()
-        if on_cpu:
-            vllm_internals.install_cpu_patches()  # this process: an in-process worker, or forked ones
+        if on_cpu:  # this process: an in-process worker, or forked ones
+            allow_amx_tiles()
+            vllm_internals.install_cpu_patches()
             _warn_if_omp_spins()
         if sleep_level not in (1, 2):
             raise ConfigError(f"sleep_level={sleep_level}: use 1 (weights offloaded to host RAM) or 2 (weights "
@@ -347,8 +348,8 @@ class VLLMEngine(EngineAdapter):
         # A tied model's checkpoint may omit lm_head.weight; the learner may still push it (vLLM skips it).
         self._optional_names = {"lm_head.weight"} if tied_embeddings(self.model_path) else set()
         self._llm = vllm.LLM(**kwargs)
-        if on_cpu:  # a worker in a process of its own (spawned) imported vllm_worker but is not patched yet
-            self._llm.collective_rpc("portable_rl_apply_cpu_patches")
+        if on_cpu:  # a worker in a process of its own (spawned) imported vllm_worker but is not prepared yet
+            self._llm.collective_rpc("portable_rl_prepare_cpu_worker")
         self.returns_routed_experts = return_routed_experts
         self._captures_routing = return_routed_experts and on_cpu
         if self._captures_routing:

@@ -13,10 +13,11 @@ complete its quantization method runs `process_weights_after_loading`, so an FP8
 pushed bf16 weights and writes into its existing buffers. It must run ONCE per sync with every weight:
 calling it per bucket would finalize half-loaded layers.
 
-CPU patches (`vllm_internals.install_cpu_patches`). vLLM imports this module in every worker to find the
-extension; importing it changes nothing. On CPU the adapter installs them in its own process before the
-engine starts (an in-process worker, or forked ones), and right after the start in every worker through
-`portable_rl_apply_cpu_patches` (a spawned worker), before any generate or reload.
+CPU patches (`vllm_internals.install_cpu_patches`) and the AMX permission (`cpu_features.allow_amx_tiles`).
+vLLM imports this module in every worker to find the extension; importing it changes nothing. On CPU the
+adapter installs both in its own process before the engine starts (an in-process worker, or forked ones), and
+right after the start in every worker through `portable_rl_prepare_cpu_worker` (a spawned worker), before any
+generate or reload.
 
 Routing capture (vllm_moe.py, vLLM-CPU): `portable_rl_capture_routing` installs a `RoutingCapture` on the
 worker's model runner; `portable_rl_take_routed_experts` hands over (and forgets) what it recorded.
@@ -27,14 +28,17 @@ from __future__ import annotations
 from typing import Iterable
 
 from portable_rl.engines import shared_weights, vllm_internals, vllm_moe
+from portable_rl.engines.cpu_features import allow_amx_tiles
 
 
 class PortableRLWorkerExtension:
     """Methods added to every vLLM worker (`self` is the worker: it has `model_runner`, `vllm_config`)."""
 
-    def portable_rl_apply_cpu_patches(self) -> None:
-        """`vllm_internals.install_cpu_patches` in the worker's process; the CPU adapter calls it right after
-        engine start."""
+    def portable_rl_prepare_cpu_worker(self) -> None:
+        """The worker's process as the adapter prepares its own before a CPU engine starts: AMX tiles allowed
+        (`cpu_features.allow_amx_tiles`) and `vllm_internals.install_cpu_patches`; the CPU adapter calls it right
+        after engine start."""
+        allow_amx_tiles()
         vllm_internals.install_cpu_patches()
 
     def portable_rl_capture_routing(self) -> int:
