@@ -6,6 +6,9 @@ once; the files that start a local Ray cluster share one unit (tests/xdist_files
 this is not xdist's `loadgroup`). Units go out slowest first (`SLOWEST_FIRST`), so the session does not end
 with one long file running alone; without xdist that order applies too.
 
+OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, set here before any test module loads torch), as in the
+CLI: spinning ones starve the other worker's work and their own engine's.
+
 One persistent XLA compilation cache for the whole session: this process and every CLI subprocess the tests
 start (they inherit the environment) share it, so a program several tests compile (the default run's learner
 step and old-logprob pass, the SmolLM2 forward) is compiled once. Numerics are unchanged: a cache hit is the
@@ -36,6 +39,12 @@ SLOWEST_FIRST = ("test_sql_recipe.py", "test_plan.py", "test_train_async_faults.
                  "test_attention.py", "test_multihost_launch.py")
 # Files that call ray.init: one Ray cluster at a time, so one work unit.
 RAY_FILES = ("test_engines_ray.py", "test_engines_contract.py")
+
+# Idle OpenMP threads sleep instead of spinning, as the CLI entry points arrange before torch loads
+# (engines/cpu_features.prefer_passive_omp_waits): OpenMP reads this once, when torch loads it, and the test
+# modules import torch long before an engine starts. With spinning threads an in-process vLLM engine beside the
+# other worker ran 3-10x slower (the INT8 engine file beside one busy core: 320 s spinning, 85 s passive).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
