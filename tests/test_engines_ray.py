@@ -14,7 +14,6 @@ starts: two at fixture time, one more for the restart test). What is checked:
 Plus fast checks (no engines): shard arithmetic, the byte packing of pushed tensors, the gin file.
 """
 
-import dataclasses
 import os
 import signal
 import time
@@ -28,6 +27,7 @@ from portable_rl.engines import SamplingConfig  # noqa: E402
 from portable_rl.engines.ray_fleet import (RayEngineFleet, pack_bucket, shard_bounds, shard_sampling,  # noqa: E402
                                            unpack_bucket)
 from perturb import perturbed  # noqa: E402
+from serving import Countdown, Waves, batch_requests, serve_log, short_chain  # noqa: E402
 
 PROMPTS = [[1, 40 + i, 41, 42 + i % 3] for i in range(7)]
 SAMPLING = SamplingConfig(temperature=0.8, max_tokens=12, n=2, seed=11)
@@ -219,27 +219,6 @@ def test_push_reaches_every_engine(fleet, learner):
     assert max_logprob_diff(fleet.generate(PROMPTS, SAMPLING), sharded) == 0.0  # engines left unchanged
 
 
-def serve_log(fleet, requests, follow_up):
-    """fleet.serve(requests, respond) with a respond that logs every finished request (with the number of its
-    respond call) and sends `follow_up(request, rollouts)` (a Request or None) for each."""
-    log, calls = [], [0]
-
-    def respond(finished):
-        calls[0] += 1
-        log.extend((calls[0], request, rollouts) for request, rollouts in finished)
-        return [r for r in (follow_up(request, rollouts) for request, rollouts in finished) if r is not None]
-
-    fleet.serve(requests, respond)
-    return log
-
-
-def batch_requests(prompts, sampling):
-    """One generate call's prompts as serve requests: the batch rule's seeds, key = prompt index."""
-    from portable_rl.engines.base import Request
-
-    return [Request(i, p, dataclasses.replace(sampling, seed=sampling.seed_for(i))) for i, p in enumerate(prompts)]
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_serve_of_a_batch_equals_generate(fleet):
@@ -267,34 +246,12 @@ def test_serve_answers_each_engine_as_it_finishes(fleet):
 
     short = SamplingConfig(temperature=0.7, max_tokens=2, min_tokens=2, seed=3)
     long = SamplingConfig(temperature=0.7, max_tokens=200, min_tokens=200, seed=5)
-
-    def follow_up(request, rollouts):
-        if request.sampling.max_tokens == 2 and request.key < 3:
-            return Request(request.key + 1, request.prompt_token_ids + rollouts[0].response_token_ids,
-                           dataclasses.replace(short, seed=short.seed + request.key + 1))
-        return None
-
-    log = serve_log(fleet, [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)], follow_up)
+    log = serve_log(fleet, [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)], short_chain(short))
     assert [(call, request.key) for call, request, _ in log] == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]
     for _, request, (rollout,) in log:
         alone, = generate_on(fleet, 0, [request.prompt_token_ids], request.sampling)
         assert rollout.response_token_ids == alone.response_token_ids
         assert len(rollout.response_token_ids) == request.sampling.max_tokens
-
-
-class Waves:
-    """The fleet served in waves (EngineAdapter's default serving: one sharded generate call per turn)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def serve(self, requests, respond):
-        from portable_rl.engines.base import drive, in_waves
-
-        drive(in_waves(self.engine, requests), respond)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 @pytest.mark.slow
@@ -306,23 +263,14 @@ def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, c
     max_model_len reach the engines. Served continuously (each trajectory on one engine), the same ids, masks,
     turns and finish reasons, the logprobs to the bf16 engine's batch-composition rounding."""
     from portable_rl.engines.base import EngineAdapter
-    from portable_rl.environments import Environment, Step
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import EnvironmentConfig
     from portable_rl.rl.turns import run_trajectories
     from portable_rl.tasks import Example
 
-    class Countdown(Environment):
-        """Done after `answer` turns; each earlier turn is answered `left k`. A turn also stops at '7'."""
+    class CountdownTo7(Countdown):
+        """A turn also stops at '7'."""
         stop_strings = ("7",)
-
-        def reset(self, example):
-            self.left = int(example.answer)
-            return example.prompt
-
-        def step(self, action_text):
-            self.left -= 1
-            return Step(None, 1.0, True, {}) if self.left == 0 else Step(f"left {self.left}", 0.0, False, {})
 
     class EngineZero(EngineAdapter):
         quantization, max_model_len = None, fleet.max_model_len
@@ -341,11 +289,11 @@ def test_multi_turn_trajectories_on_the_fleet_equal_those_on_one_engine(fleet, c
     examples = [Example("abc", "2"), Example("hello", "3"), Example("xyz", "9")]
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, seed=3, stop_token_ids=(codec.eos_id,))
     config = EnvironmentConfig(max_turns=3, max_total_tokens=48)
-    on_fleet, _ = run_trajectories(Waves(fleet), codec, examples, Countdown, sampling, config)
-    on_one, _ = run_trajectories(EngineZero(), codec, examples, Countdown, sampling, config)
+    on_fleet, _ = run_trajectories(Waves(fleet), codec, examples, CountdownTo7, sampling, config)
+    on_one, _ = run_trajectories(EngineZero(), codec, examples, CountdownTo7, sampling, config)
     assert [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_fleet] == \
            [(t.rollout, t.finish, t.num_turns, t.reward) for t in on_one]
-    served, _ = run_trajectories(fleet, codec, examples, Countdown, sampling, config)
+    served, _ = run_trajectories(fleet, codec, examples, CountdownTo7, sampling, config)
     assert [(t.rollout.response_token_ids, t.rollout.response_mask, t.rollout.turn_index, t.finish, t.reward)
             for t in served] == [(t.rollout.response_token_ids, t.rollout.response_mask, t.rollout.turn_index,
                                   t.finish, t.reward) for t in on_fleet]

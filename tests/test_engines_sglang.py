@@ -26,6 +26,7 @@ from portable_rl.errors import ConfigError
 from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint
 from sglang_api import ENGINE_METHODS, find_source, load_recorded, read_api
 from sglang_fake import API, EngineProcessDied, FakeSGLangEngine, recorded_signature
+from serving import Countdown, Waves, batch_requests, serve_log, short_chain
 
 ADAPTER_CALLS = ("generate", "async_generate", "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
                  "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown")
@@ -196,34 +197,15 @@ def test_non_deterministic_engine_says_seeds_are_ignored(qwen2):
 
 
 # ------------------------------------------------------------------------------------- serving
-def serve_log(engine, requests, follow_up, serve=None):
-    """engine.serve(requests, respond) with a respond that logs every finished request (with the number of its
-    respond call) and sends `follow_up(request, rollouts)` (a Request or None) for each."""
-    log, calls = [], [0]
-
-    def respond(finished):
-        calls[0] += 1
-        log.extend((calls[0], request, rollouts) for request, rollouts in finished)
-        return [r for r in (follow_up(request, rollouts) for request, rollouts in finished) if r is not None]
-
-    (serve or engine.serve)(requests, respond)
-    return log
-
-
 def test_serving_a_batch_equals_generate(qwen2):
     """The requests of one generate call, served as async_generate tasks (one per sample, on Engine.loop): the
     same rollouts, and the same per-sample sampling_params as generate's."""
-    import dataclasses
-
-    from portable_rl.engines.base import Request
-
     engine = make(qwen2, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_tokens=8, n=2, seed=31, stop_token_ids=(7,))
     prompts = [[3], [9, 4], [5, 6, 7]]
     reference = engine.generate(prompts, sampling)
     batch_params = engine._engine.calls[-1][1]["sampling_params"]
-    requests = [Request(i, p, dataclasses.replace(sampling, seed=sampling.seed_for(i))) for i, p in enumerate(prompts)]
-    log = serve_log(engine, requests, lambda request, rollouts: None)
+    log = serve_log(engine, batch_requests(prompts, sampling), lambda request, rollouts: None)
     served = [r for _, _, rollouts in sorted(log, key=lambda entry: entry[1].key) for r in rollouts]
     assert [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in served] == \
            [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in reference]
@@ -236,23 +218,14 @@ def test_serving_answers_a_request_when_it_finishes_not_when_its_wave_does(qwen2
     """A 2-token request, followed three times by another, beside a 40-token one: SGLang's scheduler serves the
     follow-ups while the long one runs, so it is answered last; waves answer the first two together. Every
     request gets the tokens a lone generate gives it (its seed is its own)."""
-    import dataclasses
-
-    from portable_rl.engines.base import Request, drive, in_waves
+    from portable_rl.engines.base import Request
 
     engine = make(qwen2, seed=0)
     short = SamplingConfig(temperature=0.7, max_tokens=2, seed=3)
     long = SamplingConfig(temperature=0.7, max_tokens=40, seed=5)
-
-    def follow_up(request, rollouts):
-        if request.sampling.max_tokens == 2 and request.key < 3:
-            return Request(request.key + 1, request.prompt_token_ids + rollouts[0].response_token_ids,
-                           dataclasses.replace(short, seed=short.seed + request.key + 1))
-        return None
-
     requests = [Request(0, [3, 4], short), Request(100, [5, 6], long)]
-    continuous = serve_log(engine, requests, follow_up)
-    waves = serve_log(engine, requests, follow_up, serve=lambda r, f: drive(in_waves(engine, r), f))
+    continuous = serve_log(engine, requests, short_chain(short))
+    waves = serve_log(Waves(engine), requests, short_chain(short))
     keys = lambda log: [(call, request.key) for call, request, _ in log]  # noqa: E731
     assert keys(continuous) == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]
     assert keys(waves) == [(1, 0), (1, 100), (2, 1), (3, 2), (4, 3)]
@@ -288,33 +261,10 @@ def test_a_raising_respond_cancels_what_still_runs(qwen2):
 def test_multi_turn_trajectories_served_equal_those_in_waves(qwen2):
     """The multi-turn driver on SGLang: served continuously, the trajectories of waves (each turn one generate
     call), the observations masked."""
-    from portable_rl.engines.base import drive, in_waves
-    from portable_rl.environments import Environment, Step
     from portable_rl.rl.codec import TextCodec
     from portable_rl.rl.config import EnvironmentConfig
     from portable_rl.rl.turns import run_trajectories
     from portable_rl.tasks import Example
-
-    class Countdown(Environment):
-        """Done after `answer` turns; each earlier turn is answered `left k`."""
-
-        def reset(self, example):
-            self.left = int(example.answer)
-            return example.prompt
-
-        def step(self, action_text):
-            self.left -= 1
-            return Step(None, 1.0, True, {}) if self.left == 0 else Step(f"left {self.left}", 0.0, False, {})
-
-    class Waves:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def serve(self, requests, respond):
-            drive(in_waves(self.engine, requests), respond)
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
 
     engine = make(qwen2, seed=0)
     codec = TextCodec(qwen2)

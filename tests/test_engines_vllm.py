@@ -31,6 +31,7 @@ from portable_rl.engines.vllm_adapter import WeightUpdateError  # noqa: E402
 from portable_rl.learner_jax.logprobs import sequence_logprobs  # noqa: E402
 from perturb import perturbed  # noqa: E402
 from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
+from serving import Waves, batch_requests, serve_log, short_chain  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -96,28 +97,11 @@ def test_seeds_replace_the_batch_rule_per_prompt(bf16_engine):
     assert [r.response_token_ids for r in picked] == [r.response_token_ids for r in batch[6:8] + batch[2:4]]
 
 
-def serve_log(engine, requests, follow_up, serve=None):
-    """engine.serve(requests, respond) with a respond that logs every finished request (in order, with the
-    number of the respond call) and sends `follow_up(request, rollouts)` (a Request or None) for each."""
-    log, calls = [], [0]
-
-    def respond(finished):
-        calls[0] += 1
-        log.extend((calls[0], request, rollouts) for request, rollouts in finished)
-        return [r for r in (follow_up(request, rollouts) for request, rollouts in finished) if r is not None]
-
-    (serve or engine.serve)(requests, respond)
-    return log
-
-
 def test_serve_of_a_batch_equals_generate(bf16_engine):
     """The requests of one generate call (n = 2 samples each, the batch rule's seeds), served continuously:
     the same rollouts, token for token and logprob for logprob."""
-    from portable_rl.engines.base import Request
-
     reference = bf16_engine.generate(PROMPTS, SAMPLING)
-    requests = [Request(i, p, dataclasses.replace(SAMPLING, seed=SAMPLING.seed_for(i))) for i, p in enumerate(PROMPTS)]
-    log = serve_log(bf16_engine, requests, lambda request, rollouts: None)
+    log = serve_log(bf16_engine, batch_requests(PROMPTS, SAMPLING), lambda request, rollouts: None)
     served = [r for _, _, rollouts in sorted(log, key=lambda entry: entry[1].key) for r in rollouts]
     assert [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in served] == \
            [(r.response_token_ids, r.response_logprobs, r.finish_reason) for r in reference]
@@ -128,20 +112,13 @@ def test_serve_answers_a_request_when_it_finishes_not_when_its_wave_does(bf16_en
     response). vLLM's serve hands the short one back after its own step and runs its follow-ups beside the long
     one: three follow-ups finish before the long request, in separate respond calls. The default (waves) answers
     both together. Both give every request the tokens a lone generate of it gives (its seed is its own)."""
-    from portable_rl.engines.base import Request, drive, in_waves
+    from portable_rl.engines.base import Request
 
     short = SamplingConfig(temperature=0.7, max_tokens=2, min_tokens=2, seed=3)
     long = SamplingConfig(temperature=0.7, max_tokens=12, min_tokens=12, seed=5)
-
-    def follow_up(request, rollouts):
-        if request.sampling.max_tokens == 2 and request.key < 3:
-            return Request(request.key + 1, request.prompt_token_ids + rollouts[0].response_token_ids,
-                           dataclasses.replace(short, seed=short.seed + request.key + 1))
-        return None
-
     requests = [Request(0, PROMPTS[0], short), Request(100, PROMPTS[1], long)]
-    continuous = serve_log(bf16_engine, requests, follow_up)
-    waves = serve_log(bf16_engine, requests, follow_up, serve=lambda r, f: drive(in_waves(bf16_engine, r), f))
+    continuous = serve_log(bf16_engine, requests, short_chain(short))
+    waves = serve_log(Waves(bf16_engine), requests, short_chain(short))
     keys = lambda log: [(call, request.key) for call, request, _ in log]  # noqa: E731
     assert keys(continuous) == [(1, 0), (2, 1), (3, 2), (4, 3), (5, 100)]  # the long one last, alone
     assert keys(waves) == [(1, 0), (1, 100), (2, 1), (3, 2), (4, 3)]

@@ -19,7 +19,6 @@ from flax import nnx  # noqa: E402
 from portable_rl import tis  # noqa: E402
 from portable_rl.convert.hf import load_hf_model  # noqa: E402
 from portable_rl.engines import create_engine  # noqa: E402
-from portable_rl.engines.base import drive, in_waves  # noqa: E402
 from portable_rl.environments import Environment, Step, register_environment  # noqa: E402
 from portable_rl.rl.codec import TextCodec  # noqa: E402
 from portable_rl.rl.config import EnvironmentConfig  # noqa: E402
@@ -30,6 +29,7 @@ from portable_rl.rl.scoring import generate_and_score  # noqa: E402
 from portable_rl.tasks import Example  # noqa: E402
 from portable_rl.convert.tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 from portable_rl.rl.dapo import dapo_config  # noqa: E402
+from serving import Waves  # noqa: E402
 from test_environments import Forever, bpe_tokenizer, retokenization_drift  # noqa: E402,F401  (registers test_forever)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -103,19 +103,6 @@ def test_learner_scores_every_model_token_of_4_turn_trajectories_as_the_fp32_eng
 
 
 DIGITS = tuple("0123456789")
-
-
-class Waves:
-    """An engine served `in_waves` (the default serving: one generate call per turn), not by its own."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def serve(self, requests, respond):
-        drive(in_waves(self.engine, requests), respond)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 @register_environment("test_forever_digits")
