@@ -29,14 +29,14 @@ import tempfile
 
 import pytest
 
-# Files by their time under the README's command on a fresh 2-core Zen 4 clone, 2026-12-07 (461 s down to 87 s;
-# the benchmarks smoke file since split in two), then the earlier rankings' other files
-# (docs/experiments/test_suite_time.md); every other file takes under a minute and keeps pytest's order after these.
-SLOWEST_FIRST = ("test_sql_recipe.py", "test_plan.py", "test_train_async_faults.py", "test_train_e2e.py",
-                 "test_engines_vllm_int8.py", "test_benchmarks_smoke.py", "test_multihost.py",
-                 "test_smollm2_recipe.py", "test_benchmarks_gpu_check.py", "test_bad_input.py", "test_engines_ray.py",
-                 "test_moe.py", "test_gradient_fidelity.py", "test_learner_step.py", "test_smollm2.py",
-                 "test_attention.py", "test_multihost_launch.py")
+# Files by their time under the README's command on a fresh 2-core Intel AMX clone, 2026-12-08 (196 s down to 44 s;
+# docs/data/test_suite_time/2026-12-08_intel_amx_dfd46f6_files.json); every other file takes under 45 s and keeps
+# pytest's order after these.
+SLOWEST_FIRST = ("test_sql_recipe.py", "test_train_async_faults.py", "test_train_e2e.py", "test_smollm2_recipe.py",
+                 "test_multihost.py", "test_benchmarks_smoke.py", "test_plan.py", "test_benchmarks_gpu_check.py",
+                 "test_engines_ray.py", "test_bad_input.py", "test_multihost_launch.py", "test_gradient_fidelity.py",
+                 "test_cluster.py", "test_engines_vllm_int8.py", "test_engines_vllm.py", "test_moe.py",
+                 "test_engines_vllm_multiprocess.py", "test_smollm2.py")
 # Files that call ray.init: one Ray cluster at a time, so one work unit.
 RAY_FILES = ("test_engines_ray.py", "test_engines_contract.py")
 
