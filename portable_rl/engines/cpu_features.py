@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import sys
 
-FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
 # x86-64 Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) grants the AMX tile state to the process
-SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # bf16 dot products in hardware (AMX tiles / VDPBF16PS)
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 _omp_policy_set_too_late = False  # prefer_passive_omp_waits set it after torch had loaded OpenMP
 
@@ -61,5 +61,5 @@ def allow_amx_tiles(flags: set[str] | None = None) -> bool:
         return False
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
